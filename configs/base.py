@@ -1,0 +1,57 @@
+"""Every configuration key, with its default and what it means.
+
+Experiment configs import `get_config` from here and override only what differs. The validator
+(`layup_jax.config_validation`) treats this file as the schema: a key that is not here is a typo.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+
+  config.algorithm = "layup"  # one of layup_jax.algorithms.names(): "layup" or "ddp"
+  config.num_devices = 8  # M, the number of local devices that train (the first M of jax.devices())
+  config.seed = 0  # seeds parameters, data order, peer choice and dropout
+
+  config.model = ml_collections.ConfigDict()
+  config.model.name = "digits_resnet"  # a name in layup_jax.models.names()
+  config.model.num_classes = 10
+  config.model.widths = (16, 32, 64)  # channels of the three ResNet stages
+  config.model.blocks_per_stage = 1  # basic blocks in each of the three stages
+
+  config.data = ml_collections.ConfigDict()
+  config.data.name = "digits"  # a name in layup_jax.data.names()
+  config.data.batch_size = 16  # samples per device per iteration (DDP's global batch is M times it)
+  config.data.test_fraction = 0.2  # share of the data held out as the fixed test split
+
+  config.optimizer = ml_collections.ConfigDict()
+  config.optimizer.name = "sgd"  # "sgd" (with momentum), "adam" or "adamw"
+  config.optimizer.learning_rate = 0.05  # peak learning rate
+  config.optimizer.momentum = 0.9  # SGD momentum; 0 for plain SGD
+  config.optimizer.nesterov = False
+  config.optimizer.weight_decay = 5e-4  # L2 (SGD, Adam) or decoupled (AdamW) weight decay
+  config.optimizer.b1 = 0.9  # Adam beta1
+  config.optimizer.b2 = 0.999  # Adam beta2
+  config.optimizer.eps = 1e-8  # Adam epsilon
+  config.optimizer.schedule = "cosine"  # "constant", "cosine" (to zero) or "linear" (to zero)
+  config.optimizer.warmup_steps = 0  # linear warm-up steps before the schedule
+  config.optimizer.warmup_init_lr = 0.0  # learning rate at the first warm-up step
+
+  config.num_steps = 0  # training steps; 0 means num_epochs * steps per epoch
+  config.num_epochs = 30  # used when num_steps is 0
+  config.eval_every = 50  # steps between evaluations (plus one at the end); 0 for the end only
+
+  # LayUp's own knobs.
+  config.layup = ml_collections.ConfigDict()
+  config.layup.bn_policy = "mix"  # BatchNorm running statistics under gossip: "mix" or "local"
+  config.layup.max_dispatch_ahead = 1  # iterations a compute thread may run ahead of its device
+
+  # Straggler injection (paper Section 5.4): the device idles delay_iters times the measured mean
+  # iteration time before each of its iterations. device=-1 turns it off.
+  config.straggler = ml_collections.ConfigDict()
+  config.straggler.device = -1
+  config.straggler.delay_iters = 0.0
+
+  config.progress_bar = True  # tqdm bar on stderr while training
+  return config

@@ -1,0 +1,90 @@
+"""What every training algorithm exposes to the runner, and the pieces they share."""
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from layup_jax.stages import StagedModel
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+  """References to every replica's model at a consistent point, for evaluation.
+
+  `weights` average the parameters (push-sum weights; a single 1.0 for a replicated model) and
+  `state_weights` the BatchNorm statistics, which depend on the BatchNorm policy.
+  """
+
+  params: list[list[PyTree]]  # [replica][stage]
+  state: list[list[PyTree]]
+  weights: list[float]
+  state_weights: list[float]
+
+
+class Runtime(Protocol):
+  """A training algorithm as the runner drives it.
+
+  Progress is counted in device iterations: one iteration is one device's forward and backward
+  pass on its own batch, so a synchronous step over M devices is M iterations.
+  """
+
+  def compile(self) -> None:
+    """Compiles every function the training loop calls, on every device."""
+
+  def run_until(self, iterations: int, on_progress: Callable[[int], None]) -> None:
+    """Trains until `iterations` are done in total, then returns at a consistent point."""
+
+  def iterations_done(self) -> int: ...
+
+  def snapshot(self) -> Snapshot: ...
+
+  def train_loss(self) -> float:
+    """Mean training loss since the previous call (NaN if none was recorded)."""
+
+  def weight_sum(self) -> float: ...
+
+  def close(self) -> None:
+    """Stops and joins whatever the runtime started; safe to call twice."""
+
+
+def init_model(model: StagedModel, example_images: np.ndarray, seed: int):
+  """Per-stage params and state from the run's seed; every replica starts from these."""
+  return model.init(jax.random.key(seed), example_images)
+
+
+class IterationClock:
+  """The mean duration of a loop's iterations, not counting the straggler's own idling.
+
+  The straggler idles `delay_iters` times this mean before each iteration (paper Section 5.4).
+  An iteration lasts from its start to the point where the loop waits for its loss, which in
+  steady state is one device iteration; time spent paused between phases is not counted.
+  """
+
+  def __init__(self, delay_iters: float):
+    self.delay_iters = delay_iters
+    self._start = 0.0
+    self._total, self._count = 0.0, 0
+
+  def mean(self) -> float:
+    return self._total / self._count if self._count else 0.0
+
+  def start_iteration(self, idle: Callable[[float], Any] = time.sleep) -> None:
+    """Idles (when a straggler) and marks the start of an iteration."""
+    delay = self.delay_iters * self.mean()
+    if delay > 0:
+      idle(delay)
+    self._start = time.perf_counter()
+
+  def end_iteration(self) -> None:
+    self._total += time.perf_counter() - self._start
+    self._count += 1
+
+
+def mean_or_nan(values: Sequence[float]) -> float:
+  return float(np.mean(values)) if len(values) else float("nan")

@@ -1,0 +1,117 @@
+"""Synchronous data-parallel SGD, the JAX way: one jitted step over a device mesh.
+
+Params, BatchNorm state and Optax state are replicated over a one-axis `Mesh` of the M devices,
+the global batch (M per-device batches, device i's in the i-th slice) is sharded along it, and
+XLA inserts the gradient mean. BatchNorm statistics are therefore those of the global batch
+(synchronized BatchNorm), so one step on M devices equals one step on one device with the
+concatenated batch.
+"""
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from layup_jax.algorithms.base import IterationClock, Snapshot, init_model, mean_or_nan
+from layup_jax.data import Dataset
+from layup_jax.stages import StagedModel
+
+
+def train_step(model: StagedModel, tx: optax.GradientTransformation, params, state, opt_state,
+               images, labels, key, iteration):
+  """One fused `value_and_grad` + Optax step: `(params, state, opt_state, loss)`."""
+  (loss, new_state), grads = jax.value_and_grad(model.loss, has_aux=True)(
+      params, state, images, labels, key, iteration
+  )
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), new_state, opt_state, loss
+
+
+class DDPRuntime:
+  """The synchronous baseline behind the same interface as LayUp's runtime."""
+
+  def __init__(self, model, tx, devices, train_batches, params, state, example_images, *,
+               seed: int, straggler_delay_iters: float = 0.0):
+    self.num_devices = len(devices)
+    mesh = Mesh(np.asarray(devices), ("data",))
+    self._replicated = NamedSharding(mesh, PartitionSpec())
+    self._sharded = NamedSharding(mesh, PartitionSpec("data"))
+    self._train_batches = list(train_batches)
+    self._example_images = example_images
+    self.params = jax.device_put(params, self._replicated)
+    self.state = jax.device_put(state, self._replicated)
+    self.opt_state = jax.jit(tx.init, out_shardings=self._replicated)(self.params)
+    self._key = jax.device_put(jax.random.key(seed), self._replicated)
+    self._step = jax.jit(
+        functools.partial(train_step, model, tx),
+        out_shardings=self._replicated,
+        donate_argnums=(0, 1, 2),
+    )
+    self._steps_done = 0
+    self._clock = IterationClock(straggler_delay_iters)
+    self._losses: list[float] = []
+
+  def _global_batch(self):
+    batches = [next(it) for it in self._train_batches]
+    images = np.concatenate([b.images for b in batches])
+    labels = np.concatenate([b.labels for b in batches])
+    return jax.device_put((images, labels), self._sharded)
+
+  def compile(self) -> None:
+    images = np.concatenate([self._example_images] * self.num_devices)
+    labels = np.zeros(len(images), np.int32)
+    args = jax.device_put((images, labels), self._sharded)
+    iteration = jax.device_put(np.int32(0), self._replicated)
+    avals = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+        (self.params, self.state, self.opt_state),
+    )
+    self._step.lower(*avals, *args, self._key, iteration).compile()
+
+  def run_until(self, iterations: int, on_progress: Callable[[int], None]) -> None:
+    pending = None
+    while self.iterations_done() < iterations:
+      self._clock.start_iteration()
+      images, labels = self._global_batch()
+      iteration = jax.device_put(np.int32(self._steps_done), self._replicated)
+      self.params, self.state, self.opt_state, loss = self._step(
+          self.params, self.state, self.opt_state, images, labels, self._key, iteration
+      )
+      self._steps_done += 1
+      if pending is not None:  # one step of dispatch ahead, as LayUp's default
+        self._losses.append(float(pending))
+      pending = loss
+      self._clock.end_iteration()
+      on_progress(self.iterations_done())
+    if pending is not None:
+      self._losses.append(float(pending))
+
+  def iterations_done(self) -> int:
+    return self._steps_done * self.num_devices
+
+  def snapshot(self) -> Snapshot:
+    return Snapshot(params=[list(self.params)], state=[list(self.state)], weights=[1.0],
+                    state_weights=[1.0])
+
+  def train_loss(self) -> float:
+    losses, self._losses = self._losses, []
+    return mean_or_nan(losses)
+
+  def weight_sum(self) -> float:
+    return 1.0
+
+  def close(self) -> None:
+    pass
+
+
+def build(config: ml_collections.ConfigDict, model: StagedModel,
+          tx: optax.GradientTransformation, devices: Sequence[jax.Device],
+          dataset: Dataset) -> DDPRuntime:
+  params, state = init_model(model, dataset.example_images, config.seed)
+  delay = config.straggler.delay_iters if config.straggler.device >= 0 else 0.0
+  return DDPRuntime(model, tx, devices, dataset.train, params, state, dataset.example_images,
+                    seed=config.seed, straggler_delay_iters=delay)

@@ -1,0 +1,30 @@
+"""LayUp: asynchronous gossip with layer-wise push-sum updates (paper Algorithm 1)."""
+
+from collections.abc import Sequence
+
+import jax
+import ml_collections
+import optax
+
+from layup_jax.algorithms.base import init_model
+from layup_jax.data import Dataset
+from layup_jax.runtime import LayUpRuntime
+from layup_jax.stages import StagedModel
+
+
+def build(
+    config: ml_collections.ConfigDict,
+    model: StagedModel,
+    tx: optax.GradientTransformation,
+    devices: Sequence[jax.Device],
+    dataset: Dataset,
+) -> LayUpRuntime:
+  params, state = init_model(model, dataset.example_images, config.seed)
+  return LayUpRuntime(
+      model, tx, devices, dataset.train, params, state, dataset.example_images,
+      seed=config.seed,
+      bn_policy=config.layup.bn_policy,
+      max_dispatch_ahead=config.layup.max_dispatch_ahead,
+      straggler_device=config.straggler.device,
+      straggler_delay_iters=config.straggler.delay_iters,
+  )

@@ -1,0 +1,97 @@
+"""Checks a config before anything is built, so that a user's mistake fails in one clear line.
+
+`configs/base.py` is the schema: a key it does not have is reported as unknown.
+"""
+
+import ml_collections
+
+from configs import base
+from layup_jax import algorithms, data, models, optim, runtime
+
+
+class ConfigError(ValueError):
+  """A config value a user can fix; the message names the key."""
+
+
+def _unknown_keys(config: ml_collections.ConfigDict, schema: ml_collections.ConfigDict,
+                  prefix: str) -> list[str]:
+  unknown = []
+  for key, value in config.items():
+    name = f"{prefix}.{key}"
+    if key not in schema:
+      unknown.append(name)
+    elif isinstance(value, ml_collections.ConfigDict) and isinstance(
+        schema[key], ml_collections.ConfigDict
+    ):
+      unknown.extend(_unknown_keys(value, schema[key], name))
+  return unknown
+
+
+def _require(ok: bool, key: str, value, why: str) -> None:
+  if not ok:
+    raise ConfigError(f"config.{key}={value!r}: {why}")
+
+
+def _one_of(config, key: str, choices) -> None:
+  value = _get(config, key)
+  _require(value in choices, key, value, f"must be one of {list(choices)}")
+
+
+def _get(config, key: str):
+  value = config
+  for part in key.split("."):
+    value = value[part]
+  return value
+
+
+def _at_least(config, key: str, bound: float) -> None:
+  value = _get(config, key)
+  _require(value >= bound, key, value, f"must be >= {bound}")
+
+
+def validate_config(config: ml_collections.ConfigDict, num_available_devices: int) -> None:
+  """Raises ConfigError for the first problem found."""
+  unknown = _unknown_keys(config, base.get_config(), "config")
+  if unknown:
+    raise ConfigError(f"unknown config key {unknown[0]} (every key is listed in configs/base.py)")
+  _one_of(config, "algorithm", algorithms.names())
+  _one_of(config, "model.name", models.names())
+  _one_of(config, "data.name", data.names())
+  _one_of(config, "optimizer.name", optim.OPTIMIZERS)
+  _one_of(config, "optimizer.schedule", optim.SCHEDULES)
+  _one_of(config, "layup.bn_policy", runtime.BN_POLICIES)
+
+  num_devices = config.num_devices
+  _require(
+      1 <= num_devices <= num_available_devices, "num_devices", num_devices,
+      f"must be between 1 and the {num_available_devices} devices JAX sees (on CPU, set "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count=N for N fake devices)",
+  )
+  checks: list[tuple[str, float]] = [
+      ("data.batch_size", 1), ("optimizer.learning_rate", 0), ("optimizer.momentum", 0),
+      ("optimizer.weight_decay", 0), ("optimizer.warmup_steps", 0),
+      ("optimizer.warmup_init_lr", 0), ("num_steps", 0), ("num_epochs", 0), ("eval_every", 0),
+      ("layup.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
+  ]
+  for key, bound in checks:
+    _at_least(config, key, bound)
+  _require(config.optimizer.momentum < 1, "optimizer.momentum", config.optimizer.momentum,
+           "must be < 1")
+  _require(0 < config.data.test_fraction < 1, "data.test_fraction", config.data.test_fraction,
+           "must be between 0 and 1")
+  _require(config.num_steps > 0 or config.num_epochs > 0, "num_steps", config.num_steps,
+           "must be > 0 when num_epochs is 0")
+  _require(config.straggler.device < num_devices, "straggler.device", config.straggler.device,
+           f"must name one of the {num_devices} training devices (or -1 for none)")
+
+  shard = data.num_train_samples(config.data) // num_devices
+  _require(
+      config.data.batch_size <= shard, "data.batch_size", config.data.batch_size,
+      f"each of the {num_devices} devices has only {shard} training samples per epoch; "
+      f"use a batch size <= {shard} or fewer devices",
+  )
+
+
+def resolve_num_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
+  """`num_steps`, or `num_epochs` epochs of each device's shard."""
+  return config.num_steps or config.num_epochs * steps_per_epoch

@@ -1,0 +1,60 @@
+"""Test metrics of the push-sum consensus model, of device 0's own model, and their disagreement."""
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from layup_jax import pushsum
+from layup_jax.algorithms.base import Snapshot
+from layup_jax.data import EvalBatch
+from layup_jax.stages import StagedModel
+
+
+def _consensus_and_distance(params, state, weights, state_weights):
+  center = pushsum.consensus(params, weights)
+  return center, pushsum.consensus(state, state_weights), pushsum.consensus_distance(params, center)
+
+
+class Evaluator:
+  """Evaluates snapshots on one device; the test set is put there once."""
+
+  def __init__(self, model: StagedModel, test: Sequence[EvalBatch], device: jax.Device):
+    self._device = device
+    self._batches = [jax.device_put((b.images, b.labels, b.mask), device) for b in test]
+    self._num_samples = float(sum(b.mask.sum() for b in test))
+    key = jax.device_put(jax.random.key(0), device)
+    iteration = jax.device_put(np.int32(0), device)
+
+    def sums(params, state, images, labels, mask):
+      logits, _ = model.apply(params, state, images, key, iteration, train=False)
+      log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
+      nll = -jnp.take_along_axis(log_probs, labels[:, None], axis=-1)[:, 0]
+      correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+      return jnp.sum(nll * mask), jnp.sum(correct * mask)
+
+    self._sums = jax.jit(sums)
+    self._consensus = jax.jit(_consensus_and_distance)
+
+  def _loss_and_accuracy(self, params, state) -> tuple[float, float]:
+    totals = [self._sums(params, state, *batch) for batch in self._batches]
+    loss, correct = np.sum(np.asarray(jax.device_get(totals)), axis=0)
+    return float(loss / self._num_samples), float(correct / self._num_samples)
+
+  def evaluate(self, snapshot: Snapshot) -> dict[str, float]:
+    params, state = jax.device_put((snapshot.params, snapshot.state), self._device)
+    weights, state_weights = jax.device_put(
+        (np.asarray(snapshot.weights, np.float32), np.asarray(snapshot.state_weights, np.float32)),
+        self._device,
+    )
+    center, center_state, distance = self._consensus(params, state, weights, state_weights)
+    loss, accuracy = self._loss_and_accuracy(center, center_state)
+    device0_loss, device0_accuracy = self._loss_and_accuracy(params[0], state[0])
+    return {
+        "loss": loss,
+        "accuracy": accuracy,
+        "device0_loss": device0_loss,
+        "device0_accuracy": device0_accuracy,
+        "consensus_distance": float(distance),
+    }

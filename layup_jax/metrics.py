@@ -1,0 +1,35 @@
+"""Run records a user can plot: `metrics.jsonl` (one JSON object per line) and `summary.json`."""
+
+import json
+import math
+import pathlib
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+  if isinstance(value, float) and not math.isfinite(value):
+    return None  # JSON has no NaN; null reads back cleanly in pandas and jq
+  return value
+
+
+class MetricsWriter:
+  def __init__(self, workdir: pathlib.Path):
+    self.workdir = workdir
+    self._path = workdir / "metrics.jsonl"
+    self._file = self._path.open("a")
+
+  def write(self, record: dict[str, Any]) -> None:
+    self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+    self._file.flush()
+
+  def write_summary(self, summary: dict[str, Any]) -> None:
+    text = json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2)
+    (self.workdir / "summary.json").write_text(text + "\n")
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def read_metrics(workdir: pathlib.Path) -> list[dict[str, Any]]:
+  with (pathlib.Path(workdir) / "metrics.jsonl").open() as f:
+    return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,28 @@
+"""Models by name: each builder turns `config.model` into a StagedModel."""
+
+from collections.abc import Callable
+
+import ml_collections
+
+from layup_jax.models import resnet
+from layup_jax.stages import StagedModel
+
+
+def _digits_resnet(config: ml_collections.ConfigDict) -> StagedModel:
+  return StagedModel(
+      resnet.small_resnet(tuple(config.widths), config.blocks_per_stage, config.num_classes)
+  )
+
+
+_REGISTRY: dict[str, Callable[[ml_collections.ConfigDict], StagedModel]] = {
+    "digits_resnet": _digits_resnet,
+}
+
+
+def names() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def make_model(config: ml_collections.ConfigDict) -> StagedModel:
+  """The staged model that `config.model` names."""
+  return _REGISTRY[config.name](config)

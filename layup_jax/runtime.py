@@ -1,0 +1,382 @@
+"""The LayUp runtime (paper Algorithm 1): a compute thread and an updater thread per device.
+
+Each device i holds a `Replica`: device-committed params, BatchNorm state and Optax state, one
+pytree per stage, kept in Python lists whose elements are *replaced*, never mutated. Reading
+`replica.params[s]` therefore always yields a complete stage, and a peer's merge lands by swapping
+the reference: no locks on parameters, no receive queues, no buffers of peers' updates.
+
+Compute thread i: forward stage by stage, each stage reading device i's *current* params when it
+is dispatched (so updates that land mid-forward are used), then the stage VJPs in reverse order,
+handing each stage's gradient to updater i as soon as it is dispatched.
+
+Updater thread i, per iteration: pick a uniformly random peer j != i, halve w_i; per stage as its
+gradient arrives: local Optax step on device i, `jax.device_put` of the updated stage to device j,
+push-sum merge on device j; after the last stage w_j += the sent weight.
+
+BatchNorm running statistics under gossip (`bn_policy`):
+  "mix" (default): statistics travel with their stage and are merged with the same push-sum
+      coefficients as the parameters. Statistics describe the activations of the parameters they
+      sit beside; once parameters are mixed, only mixed statistics match them, and the consensus
+      model is evaluated with the push-sum average of the statistics.
+  "local": each device keeps the statistics of its own forward passes; the consensus model is
+      evaluated with their plain mean. Cheaper, but a device's statistics lag its mixed weights.
+"""
+
+import collections
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from layup_jax import pushsum
+from layup_jax.algorithms.base import IterationClock, Snapshot, mean_or_nan
+from layup_jax.data.sharding import Batch
+from layup_jax.stages import StagedModel, make_stage_steps
+
+PyTree = Any
+BN_POLICIES = ("mix", "local")
+_POLL_S = 0.05  # how often blocked threads look at the stop event
+
+
+class WorkerError(RuntimeError):
+  """A compute or updater thread failed; the message names its device and stage."""
+
+
+@dataclasses.dataclass
+class Replica:
+  device: jax.Device
+  params: list[PyTree]
+  state: list[PyTree]
+  opt_state: list[PyTree]
+  key: jax.Array
+  iteration: int = 0
+
+
+def local_update(tx: optax.GradientTransformation, params, opt_state, grads):
+  """One Optax step of one stage: `(params, opt_state) -> (new_params, new_opt_state)`."""
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+class _Budget:
+  """Iterations the compute threads may start, and how many their updaters have finished.
+
+  Guards only this bookkeeping (a condition variable), never model state. When every granted
+  iteration is finished, all threads are idle between iterations: a consistent point.
+  """
+
+  def __init__(self):
+    self._cond = threading.Condition()
+    self.granted = self.started = self.finished = 0
+    self._closed = False
+
+  def acquire(self) -> bool:
+    with self._cond:
+      while self.started >= self.granted and not self._closed:
+        self._cond.wait(_POLL_S)
+      if self._closed:
+        return False
+      self.started += 1
+      return True
+
+  def finish(self) -> None:
+    with self._cond:
+      self.finished += 1
+      self._cond.notify_all()
+
+  def grant(self, total: int) -> None:
+    with self._cond:
+      self.granted = max(self.granted, total)
+      self._cond.notify_all()
+
+  def wait_finished(self, total: int, timeout: float) -> bool:
+    with self._cond:
+      self._cond.wait_for(lambda: self.finished >= total or self._closed, timeout)
+      return self.finished >= total
+
+  def close(self) -> None:
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+
+
+class LayUpRuntime:
+  """LayUp on the given devices, threaded, or one iteration at a time with `iterate_serial`."""
+
+  def __init__(
+      self,
+      model: StagedModel,
+      tx: optax.GradientTransformation,
+      devices: Sequence[jax.Device],
+      train_batches: Sequence[Iterator[Batch]],
+      init_params: list[PyTree],
+      init_state: list[PyTree],
+      example_images: np.ndarray,
+      *,
+      seed: int,
+      bn_policy: str = "mix",
+      max_dispatch_ahead: int = 1,
+      straggler_device: int = -1,
+      straggler_delay_iters: float = 0.0,
+  ):
+    if bn_policy not in BN_POLICIES:
+      raise ValueError(f"bn_policy must be one of {BN_POLICIES}, got {bn_policy!r}")
+    self.num_devices = len(devices)
+    self.num_stages = model.num_stages
+    self.bn_policy = bn_policy
+    self._train_batches = list(train_batches)
+    self._example_images = example_images
+    self._steps = make_stage_steps(model)
+    self._update = jax.jit(lambda p, o, g: local_update(tx, p, o, g))
+    self._merge = jax.jit(pushsum.merge)
+    self._ahead = max_dispatch_ahead
+    base_key = jax.random.key(seed)
+    self.replicas = [
+        Replica(
+            device=device,
+            params=list(jax.device_put(init_params, device)),
+            state=list(jax.device_put(init_state, device)),
+            opt_state=[jax.jit(tx.init)(p) for p in jax.device_put(init_params, device)],
+            key=jax.device_put(jax.random.fold_in(base_key, i), device),
+        )
+        for i, device in enumerate(devices)
+    ]
+    self.weights = pushsum.PushSumWeights(self.num_devices)
+    self._peer_rngs = [np.random.default_rng([seed, 1, i]) for i in range(self.num_devices)]
+    self._clocks = [
+        IterationClock(straggler_delay_iters if i == straggler_device else 0.0)
+        for i in range(self.num_devices)
+    ]
+    self._losses: list[list[float]] = [[] for _ in devices]
+    # Stage each thread is at, to name it when it fails: (role, device) -> stage index.
+    self._position: dict[tuple[str, int], int | None] = {}
+    self._grad_queues = [
+        queue.Queue(maxsize=self.num_stages * max_dispatch_ahead) for _ in devices
+    ]
+    self._budget = _Budget()
+    self._stop = threading.Event()
+    self._failures: list[tuple[str, int, int | None, BaseException]] = []
+    self._threads: list[threading.Thread] = []
+
+  # --- one iteration's pieces, shared by the serial and the threaded modes --------------------
+
+  def _compute_iteration(self, i: int, emit: Callable[[int, PyTree], None]) -> jax.Array:
+    """Forward and backward pass of device i; `emit(stage, grads)` as each gradient appears."""
+    replica, steps, last = self.replicas[i], self._steps, self.num_stages - 1
+    batch = next(self._train_batches[i])
+    x, labels = jax.device_put((batch.images, batch.labels), replica.device)
+    iteration = jax.device_put(np.int32(replica.iteration), replica.device)
+    replica.iteration += 1
+    vjps = []
+    for s in range(last):
+      self._position["compute", i] = s
+      x, replica.state[s], vjp = steps.forward[s](
+          replica.params[s], replica.state[s], x, replica.key, iteration
+      )
+      vjps.append(vjp)
+    self._position["compute", i] = last
+    loss, replica.state[last], grads, dx = steps.loss(
+        replica.params[last], replica.state[last], x, labels, replica.key, iteration
+    )
+    emit(last, grads)
+    for s in reversed(range(last)):
+      self._position["compute", i] = s
+      grads, dx = steps.backward[s](vjps[s], dx)
+      vjps[s] = None  # drop the residuals as soon as they are used
+      emit(s, grads)
+    return loss
+
+  def _pick_peer(self, i: int) -> int | None:
+    if self.num_devices == 1:
+      return None
+    j = int(self._peer_rngs[i].integers(self.num_devices - 1))
+    return j if j < i else j + 1
+
+  def _update_and_send(self, i: int, j: int | None, s: int, grads: PyTree, sent: float) -> None:
+    """Local Optax step of stage s on device i, then its push-sum merge into peer j."""
+    replica = self.replicas[i]
+    params, replica.opt_state[s] = self._update(replica.params[s], replica.opt_state[s], grads)
+    replica.params[s] = params
+    if j is None:
+      return
+    peer = self.replicas[j]
+    share = jax.device_put(np.float32(self.weights.receiver_share(j, sent)), peer.device)
+    peer.params[s] = self._merge(peer.params[s], jax.device_put(params, peer.device), share)
+    if self.bn_policy == "mix" and replica.state[s]:
+      peer.state[s] = self._merge(
+          peer.state[s], jax.device_put(replica.state[s], peer.device), share
+      )
+
+  def iterate_serial(self, i: int, peer: int | None) -> float:
+    """One whole LayUp iteration of device i sending to `peer`, on the calling thread.
+
+    The deterministic mode for exact tests: scripted peers, fixed order, no threads.
+    """
+    grads: dict[int, PyTree] = {}
+    loss = self._compute_iteration(i, lambda s, g: grads.__setitem__(s, g))
+    sent = self.weights.send(i) if peer is not None else 0.0
+    for s in reversed(range(self.num_stages)):
+      self._update_and_send(i, peer, s, grads[s], sent)
+    if peer is not None:
+      self.weights.receive(peer, sent)
+    return float(loss)
+
+  # --- compilation ----------------------------------------------------------------------------
+
+  def compile(self) -> None:
+    """Runs every per-stage function once on every device, discarding the results.
+
+    Concurrent first compilations race, and none may happen inside the timed loop.
+    """
+    labels = np.zeros(len(self._example_images), np.int32)
+    for replica in self.replicas:
+      example = jax.device_put((self._example_images, labels), replica.device)
+      iteration = jax.device_put(np.int32(0), replica.device)
+      share = jax.device_put(np.float32(0.5), replica.device)
+      x, vjps, last = example[0], [], self.num_stages - 1
+      for s in range(last):
+        x, _, vjp = self._steps.forward[s](
+            replica.params[s], replica.state[s], x, replica.key, iteration
+        )
+        vjps.append(vjp)
+      outputs = [self._steps.loss(
+          replica.params[last], replica.state[last], x, example[1], replica.key, iteration
+      )]
+      grads, dx = {last: outputs[0][2]}, outputs[0][3]
+      for s in reversed(range(last)):
+        grads[s], dx = self._steps.backward[s](vjps[s], dx)
+      for s in range(self.num_stages):
+        outputs.append(self._update(replica.params[s], replica.opt_state[s], grads[s]))
+        outputs.append(self._merge(replica.params[s], replica.params[s], share))
+        if replica.state[s]:
+          outputs.append(self._merge(replica.state[s], replica.state[s], share))
+      jax.block_until_ready(outputs)
+
+  # --- the threads ----------------------------------------------------------------------------
+
+  def _run_guarded(self, role: str, i: int, loop: Callable[[int], None]) -> None:
+    try:
+      loop(i)
+    except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+      self._failures.append((role, i, self._position.get((role, i)), exc))
+      self._stop.set()
+      self._budget.close()
+
+  def _compute_loop(self, i: int) -> None:
+    pending: collections.deque = collections.deque()
+    clock = self._clocks[i]
+    while self._budget.acquire():
+      clock.start_iteration(idle=self._stop.wait)
+      pending.append(self._compute_iteration(i, lambda s, g: self._hand_over(i, (s, g))))
+      # Bound how far this thread dispatches ahead of its device (the loss is ready once the
+      # forward pass of that iteration has run).
+      while len(pending) >= self._ahead:
+        self._losses[i].append(float(pending.popleft()))
+      clock.end_iteration()
+
+  def _hand_over(self, i: int, item) -> None:
+    while not self._stop.is_set():
+      try:
+        self._grad_queues[i].put(item, timeout=_POLL_S)
+        return
+      except queue.Full:
+        continue
+    raise _Stopped()
+
+  def _next_gradient(self, i: int):
+    while not self._stop.is_set():
+      try:
+        return self._grad_queues[i].get(timeout=_POLL_S)
+      except queue.Empty:
+        continue
+    raise _Stopped()
+
+  def _updater_loop(self, i: int) -> None:
+    while True:
+      stage, grads = self._next_gradient(i)
+      peer = self._pick_peer(i)
+      sent = self.weights.send(i) if peer is not None else 0.0
+      for count in range(self.num_stages):
+        if count:
+          stage, grads = self._next_gradient(i)
+        self._position["updater", i] = stage
+        self._update_and_send(i, peer, stage, grads, sent)
+      if peer is not None:
+        self.weights.receive(peer, sent)
+      self._budget.finish()
+
+  def _start_threads(self) -> None:
+    for role, loop in (("compute", self._compute_loop), ("updater", self._updater_loop)):
+      for i in range(self.num_devices):
+        thread = threading.Thread(
+            target=self._run_guarded, args=(role, i, loop), name=f"layup-{role}-{i}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+  def _raise_if_failed(self) -> None:
+    failures = [f for f in self._failures if not isinstance(f[3], _Stopped)]
+    if failures:
+      role, i, stage, exc = failures[0]
+      self.close()
+      raise WorkerError(
+          f"{role} thread of device {i} failed at stage {stage}: {type(exc).__name__}: {exc}"
+      ) from exc
+
+  # --- the Runtime interface ------------------------------------------------------------------
+
+  def run_until(self, iterations: int, on_progress: Callable[[int], None]) -> None:
+    if self._stop.is_set():
+      self._raise_if_failed()
+      raise RuntimeError("the runtime was closed")
+    if not self._threads:
+      self._start_threads()
+    self._budget.grant(iterations)
+    while not self._budget.wait_finished(iterations, timeout=0.1):
+      self._raise_if_failed()
+      on_progress(self._budget.finished)
+    self._raise_if_failed()
+    on_progress(self._budget.finished)
+
+  def iterations_done(self) -> int:
+    return self._budget.finished
+
+  def snapshot(self) -> Snapshot:
+    weights = list(self.weights.values)
+    uniform = [1.0] * self.num_devices
+    return Snapshot(
+        params=[list(r.params) for r in self.replicas],
+        state=[list(r.state) for r in self.replicas],
+        weights=weights,
+        state_weights=weights if self.bn_policy == "mix" else uniform,
+    )
+
+  def train_loss(self) -> float:
+    losses = [loss for per_device in self._losses for loss in per_device]
+    for per_device in self._losses:
+      per_device.clear()
+    return mean_or_nan(losses)
+
+  def weight_sum(self) -> float:
+    return self.weights.total()
+
+  def mean_iteration_s(self) -> list[float]:
+    return [clock.mean() for clock in self._clocks]
+
+  def close(self) -> None:
+    self._stop.set()
+    self._budget.close()
+    for thread in self._threads:
+      thread.join(timeout=10.0)
+    alive = [t.name for t in self._threads if t.is_alive()]
+    if alive:
+      raise RuntimeError(f"threads did not stop: {alive}")
+
+
+class _Stopped(Exception):
+  """Raised inside a thread blocked on a queue when the runtime stops."""
