@@ -10,7 +10,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
       os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from layup_jax import runner  # noqa: E402
@@ -22,11 +22,47 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Where metrics and sum
 flags.mark_flags_as_required(["config"])
 
 
+def _fail(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _fail_config_file(error: OSError) -> None:
+  attempts = [line.strip() for line in str(error).splitlines() if "Errno" in line]
+  _fail(f"cannot load the config file: {attempts[-1] if attempts else error}")
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's parsing, with a config override that names no key (or a wrong type) in one line."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as error:
+    _fail(str(error).splitlines()[0])
+  except OSError as error:
+    _fail_config_file(error)
+  except (AttributeError, KeyError, TypeError, ValueError) as error:
+    detail = " ".join(str(error).replace("\\n", " ").replace("\\'", "").strip("'\"").split())
+    overrides = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]
+    key = next((o for o in overrides if o.rsplit(".", 1)[-1] in detail), None)
+    if isinstance(error, (AttributeError, KeyError)) and key:
+      hint = detail.split("?")[0].split("Did you mean")[-1] if "Did you mean" in detail else ""
+      suggestion = f" (did you mean{hint}?)" if hint else ""
+      _fail(f"unknown config key {key}{suggestion}; every key is listed in configs/base.py")
+    _fail(f"bad config override {key or ''}: {detail}")
+  raise AssertionError("unreachable")
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)
   try:
-    summary = runner.run(_CONFIG.value, _WORKDIR.value)
+    config = _CONFIG.value
+    config.keys()  # a config file that failed to load raises only when first used
+  except OSError as error:
+    _fail_config_file(error)
+  try:
+    summary = runner.run(config, _WORKDIR.value)
   except ConfigError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
@@ -39,4 +75,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
