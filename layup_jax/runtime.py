@@ -141,7 +141,7 @@ class LayUpRuntime:
             device=device,
             params=list(jax.device_put(init_params, device)),
             state=list(jax.device_put(init_state, device)),
-            opt_state=[jax.jit(tx.init)(p) for p in jax.device_put(init_params, device)],
+            opt_state=list(jax.device_put([tx.init(p) for p in init_params], device)),
             key=jax.device_put(jax.random.fold_in(base_key, i), device),
         )
         for i, device in enumerate(devices)

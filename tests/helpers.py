@@ -1,0 +1,52 @@
+"""Small models and builders shared by the tests."""
+
+import flax.linen as nn
+
+from layup_jax.stages import StagedModel
+
+
+class DenseBN(nn.Module):
+  """A small stage with BatchNorm, so mechanics tests compile in milliseconds."""
+
+  features: int
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = x.reshape(x.shape[0], -1)
+    x = nn.Dense(self.features)(x)
+    return nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+
+
+class FlatDense(nn.Module):
+  """A classifier head on flattened inputs; its `__call__` takes no `train`."""
+
+  num_classes: int
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))
+
+
+def mlp_model(widths=(16, 16), num_classes=10) -> StagedModel:
+  return StagedModel([DenseBN(w) for w in widths] + [FlatDense(num_classes)])
+
+
+def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_size=8, seed=0,
+                       **runtime_kwargs):
+  """A LayUp runtime on the digits data with an SGD optimizer, on the first devices."""
+  import jax
+  import optax
+
+  from layup_jax.algorithms.base import init_model
+  from layup_jax.data import digits
+  from layup_jax.data.sharding import ShardIterator
+  from layup_jax.runtime import LayUpRuntime
+
+  model = model or mlp_model()
+  train, _ = digits.load_digits(0.2)
+  iterators = [ShardIterator(train, num_devices, i, batch_size, seed) for i in range(num_devices)]
+  example = train.images[:batch_size]
+  params, state = init_model(model, example, seed)
+  tx = optax.sgd(learning_rate, momentum=0.9)
+  return LayUpRuntime(model, tx, jax.devices()[:num_devices], iterators, params, state, example,
+                      seed=seed, **runtime_kwargs)

@@ -1,0 +1,52 @@
+"""Bad configs fail at start with one line that names the key."""
+
+import subprocess
+import sys
+
+import pytest
+
+from layup_jax.config_validation import ConfigError, validate_config
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("optimizer.learning_rate", -0.1, r"config.optimizer.learning_rate=-0.1: must be >= 0"),
+    ("num_devices", 9, r"config.num_devices=9: must be between 1 and the 8 devices"),
+    ("data.batch_size", 500, r"config.data.batch_size=500: each of the 8 devices has only 179"),
+    ("algorithm", "sync", r"config.algorithm='sync': must be one of \['ddp', 'layup'\]"),
+    ("layup.bn_policy", "skip", r"config.layup.bn_policy='skip'"),
+    ("straggler.device", 8, r"config.straggler.device=8: must name one of the 8"),
+])
+def test_impossible_values_name_their_key(tiny_config, key, value, message):
+  section, _, name = key.rpartition(".")
+  target = tiny_config[section] if section else tiny_config
+  target[name] = value
+  with pytest.raises(ConfigError, match=message):
+    validate_config(tiny_config, 8)
+
+
+def test_a_key_that_is_not_in_the_schema_is_unknown(tiny_config):
+  tiny_config.optimizer.learnig_rate = 0.1
+  with pytest.raises(ConfigError, match=r"unknown config key config.optimizer.learnig_rate"):
+    validate_config(tiny_config, 8)
+
+
+def test_the_default_config_is_valid(tiny_config):
+  validate_config(tiny_config, 8)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.optimizer.learnig_rate=0.1",
+     'error: unknown config key config.optimizer.learnig_rate (did you mean "learning_rate"'),
+    ("--config.num_devices=abc", "error: flag --config.num_devices=abc: invalid literal"),
+    ("--config.optimizer.learning_rate=-1",
+     "error: config.optimizer.learning_rate=-1.0: must be >= 0"),
+])
+def test_the_cli_reports_a_bad_override_in_one_line(tmp_path, override, message):
+  result = subprocess.run(
+      [sys.executable, "-m", "layup_jax.train", "--config", "configs/digits.py", override,
+       f"--workdir={tmp_path}"],
+      capture_output=True, text=True, timeout=120,
+  )
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(message), result.stderr

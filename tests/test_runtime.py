@@ -1,0 +1,157 @@
+"""The LayUp runtime: Algorithm 1's bookkeeping in the serial mode, its threads' behaviour."""
+
+import threading
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from layup_jax import pushsum
+from layup_jax.data import digits, eval_batches
+from layup_jax.evaluation import Evaluator
+from layup_jax.runtime import WorkerError
+from tests.helpers import make_layup_runtime, mlp_model
+
+
+def _perturb_replicas(runtime, scale=0.5):
+  """Gives every replica different parameters, as after some local steps."""
+  for i, replica in enumerate(runtime.replicas):
+    rng = np.random.default_rng(100 + i)
+    replica.params = [
+        jax.tree.map(lambda p: p + jax.device_put(
+            scale * rng.normal(size=p.shape).astype(np.float32), replica.device), stage)
+        for stage in replica.params
+    ]
+
+
+def _mass(runtime):
+  """sum_i w_i x_i, the quantity a push-sum send conserves."""
+  weights = jnp.asarray(runtime.weights.values)
+  params = jax.device_put([r.params for r in runtime.replicas], jax.devices()[0])
+  return pushsum.consensus(params, weights)
+
+
+def test_replicas_are_committed_one_pytree_per_stage_to_their_devices():
+  runtime = make_layup_runtime(4)
+  for replica, device in zip(runtime.replicas, jax.devices()[:4]):
+    assert len(replica.params) == len(replica.opt_state) == runtime.num_stages == 3
+    chex.assert_tree_is_on_device((replica.params, replica.state, replica.opt_state),
+                                  device=device)
+  assert runtime.weights.values == [0.25] * 4
+
+
+def test_scripted_peer_sequence_keeps_the_weight_sum_at_one():
+  runtime = make_layup_runtime(4)
+  script = [(0, 1), (1, 2), (2, 0), (3, 0), (0, 3), (1, 0), (2, 1), (3, 2)]
+  expected = pushsum.PushSumWeights(4)
+  for device, peer in script:
+    runtime.iterate_serial(device, peer)
+    expected.receive(peer, expected.send(device))
+    assert runtime.weight_sum() == pytest.approx(1.0, abs=1e-12)
+  assert runtime.weights.values == expected.values
+
+
+def test_with_learning_rate_zero_gossip_alone_reaches_consensus_and_keeps_the_average():
+  runtime = make_layup_runtime(8, learning_rate=0.0)
+  _perturb_replicas(runtime)
+  start = _mass(runtime)
+  params = lambda: [r.params for r in runtime.replicas]  # noqa: E731
+  first_distance = float(pushsum.consensus_distance(
+      jax.device_put(params(), jax.devices()[0]), start))
+  assert first_distance > 1e-2
+  rng = np.random.default_rng(0)
+  for _ in range(60):
+    for device in rng.permutation(8):
+      runtime.iterate_serial(int(device), runtime._pick_peer(int(device)))
+  center = _mass(runtime)
+  distance = pushsum.consensus_distance(jax.device_put(params(), jax.devices()[0]), center)
+  assert float(distance) < 1e-6
+  chex.assert_trees_all_close(center, start, atol=1e-5)
+
+
+@pytest.mark.parametrize("bn_policy", ["mix", "local"])
+def test_batchnorm_policy_decides_whether_statistics_travel(bn_policy):
+  runtime = make_layup_runtime(2, learning_rate=0.0, bn_policy=bn_policy)
+  runtime.iterate_serial(1, None)  # device 1's statistics now differ from device 0's
+  receiver_before = jax.device_get(runtime.replicas[0].state[0])
+  share = runtime.weights.receiver_share(0, runtime.weights.values[1] / 2)
+  runtime.iterate_serial(1, 0)
+  sender_after = jax.device_get(runtime.replicas[1].state[0])
+  received = jax.device_get(runtime.replicas[0].state[0])
+  if bn_policy == "mix":
+    want = jax.tree.map(lambda r, s: share * r + (1 - share) * s, receiver_before, sender_after)
+  else:
+    want = receiver_before
+  chex.assert_trees_all_close(received, want, atol=1e-6)
+  assert not np.allclose(receiver_before["batch_stats"]["BatchNorm_0"]["mean"],
+                         sender_after["batch_stats"]["BatchNorm_0"]["mean"])
+
+
+def _test_loss(runtime, evaluator):
+  return evaluator.evaluate(runtime.snapshot())["loss"]
+
+
+def test_threaded_layup_lowers_the_test_loss_and_stops_cleanly():
+  runtime = make_layup_runtime(8, learning_rate=0.05)
+  _, test = digits.load_digits(0.2)
+  evaluator = Evaluator(mlp_model(), eval_batches(test, 360), jax.devices()[0])
+  before = _test_loss(runtime, evaluator)
+  runtime.compile()
+  progress = []
+  runtime.run_until(8 * 40, progress.append)
+  after = _test_loss(runtime, evaluator)
+  assert runtime.iterations_done() == 320 and progress[-1] == 320
+  assert after < 0.5 * before
+  assert 0.9 < runtime.weight_sum() <= 1.0 + 1e-9  # lock-free updates may drop a little weight
+  runtime.close()
+  assert not [t for t in threading.enumerate() if t.name.startswith("layup-")]
+
+
+def test_no_compilation_happens_inside_the_training_loop():
+  compiles = []
+
+  def on_duration(name, *_, **__):
+    if "backend_compile" in name:
+      compiles.append(name)
+
+  runtime = make_layup_runtime(4)
+  runtime.compile()
+  jax.monitoring.register_event_duration_secs_listener(on_duration)
+  try:
+    runtime.run_until(4 * 10, lambda _: None)
+    runtime.close()
+    assert compiles == []
+    # The listener does see compilations: a new shape compiles once.
+    runtime._merge(*jax.device_put((jnp.ones(7), jnp.ones(7), 0.5), jax.devices()[0]))
+    assert compiles
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_duration)
+
+
+def test_an_exception_in_an_updater_thread_surfaces_with_its_device_and_stage():
+  runtime = make_layup_runtime(4)
+  runtime.compile()
+  update = runtime._update
+
+  def failing_update(params, opt_state, grads):
+    if threading.current_thread().name == "layup-updater-2":
+      raise FloatingPointError("injected")
+    return update(params, opt_state, grads)
+
+  runtime._update = failing_update
+  with pytest.raises(WorkerError, match=r"updater thread of device 2 failed at stage 2: "
+                                        r"FloatingPointError: injected"):
+    runtime.run_until(4 * 50, lambda _: None)
+  assert not [t for t in threading.enumerate() if t.name.startswith("layup-") and t.is_alive()]
+
+
+def test_a_straggler_does_fewer_iterations_than_the_others():
+  runtime = make_layup_runtime(4, straggler_device=0, straggler_delay_iters=3.0)
+  runtime.compile()
+  runtime.run_until(4 * 60, lambda _: None)
+  runtime.close()
+  iterations = [r.iteration for r in runtime.replicas]
+  assert sum(iterations) == 240
+  assert iterations[0] < 0.6 * min(iterations[1:])

@@ -1,0 +1,58 @@
+"""The runner end to end: records a user can plot, for both algorithms, and a clean Ctrl-C."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from layup_jax import runner
+from layup_jax.metrics import read_metrics
+
+EVAL_KEYS = {"step", "time_s", "split", "loss", "accuracy", "device0_loss", "device0_accuracy",
+             "consensus_distance", "weight_sum"}
+SUMMARY_KEYS = {"algorithm", "num_devices", "final_eval_accuracy", "final_eval_loss",
+                "wall_time_s", "train_samples_per_s", "consensus_distance"}
+
+
+@pytest.mark.parametrize("algorithm", ["layup", "ddp"])
+def test_a_run_writes_metrics_and_summary_and_learns(tiny_config, tmp_path, algorithm):
+  tiny_config.algorithm = algorithm
+  tiny_config.num_devices = 4
+  summary = runner.run(tiny_config, tmp_path)
+  records = read_metrics(tmp_path)
+  test_records = [r for r in records if r["split"] == "test"]
+  assert [r["step"] for r in test_records] == [0, 10, 20]
+  assert all(EVAL_KEYS <= set(r) for r in test_records)
+  assert [r["step"] for r in records if r["split"] == "train"] == [10, 20]
+  assert test_records[-1]["loss"] < test_records[0]["loss"]
+  assert SUMMARY_KEYS <= set(json.loads((tmp_path / "summary.json").read_text()))
+  assert summary["final_eval_accuracy"] == test_records[-1]["accuracy"]
+  assert summary["train_samples_per_s"] > 0
+  assert abs(test_records[-1]["weight_sum"] - 1.0) < 0.1
+
+
+def test_ctrl_c_stops_every_thread_within_seconds(tmp_path):
+  process = subprocess.Popen(
+      [sys.executable, "-m", "layup_jax.train", "--config", "configs/digits.py",
+       "--config.model.widths=(4,8,8)", "--config.num_steps=100000", "--config.eval_every=0",
+       f"--workdir={tmp_path}"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  )
+  metrics = tmp_path / "metrics.jsonl"
+  deadline = time.monotonic() + 240
+  while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:
+    time.sleep(0.2)  # the step-0 evaluation is written once threads are about to start
+  assert metrics.exists(), process.communicate(timeout=5)
+  time.sleep(2.0)
+  sent = time.monotonic()
+  process.send_signal(signal.SIGINT)
+  try:
+    _, stderr = process.communicate(timeout=10)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    pytest.fail("the run did not stop within 10 s of Ctrl-C")
+  assert time.monotonic() - sent < 10
+  assert process.returncode != 0 and "KeyboardInterrupt" in stderr
