@@ -19,6 +19,11 @@ _REGISTRY: dict[str, Callable[[ml_collections.ConfigDict], StagedModel]] = {
 }
 
 
+def register(name: str, builder: Callable[[ml_collections.ConfigDict], StagedModel]) -> None:
+  """Makes `config.model.name = name` build `builder(config.model)` (bring your own model)."""
+  _REGISTRY[name] = builder
+
+
 def names() -> list[str]:
   return sorted(_REGISTRY)
 
