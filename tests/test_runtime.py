@@ -104,19 +104,35 @@ def test_threaded_layup_lowers_the_test_loss_and_stops_cleanly():
   after = _test_loss(runtime, evaluator)
   assert runtime.iterations_done() == 320 and progress[-1] == 320
   assert after < 0.5 * before
-  assert 0.9 < runtime.weight_sum() <= 1.0 + 1e-9  # lock-free updates may drop a little weight
+  # Racing updaters may lose a store on a weight (lock-free, as in the paper): rare and small.
+  assert abs(runtime.weight_sum() - 1.0) < 0.05
   runtime.close()
   assert not [t for t in threading.enumerate() if t.name.startswith("layup-")]
 
 
-def test_no_compilation_happens_inside_the_training_loop():
+def _ddp_runtime(num_devices):
+  import optax
+
+  from layup_jax.algorithms.ddp import DDPRuntime
+  from layup_jax.data.sharding import ShardIterator
+
+  train, _ = digits.load_digits(0.2)
+  model = mlp_model()
+  params, state = model.init(jax.random.key(0), train.images[:8])
+  iterators = [ShardIterator(train, num_devices, i, 8, 0) for i in range(num_devices)]
+  return DDPRuntime(model, optax.sgd(0.05), jax.devices()[:num_devices], iterators, params,
+                    state, train.images[:8], seed=0)
+
+
+@pytest.mark.parametrize("algorithm", ["layup", "ddp"])
+def test_no_compilation_happens_inside_the_training_loop(algorithm):
   compiles = []
 
   def on_duration(name, *_, **__):
     if "backend_compile" in name:
       compiles.append(name)
 
-  runtime = make_layup_runtime(4)
+  runtime = make_layup_runtime(4) if algorithm == "layup" else _ddp_runtime(4)
   runtime.compile()
   jax.monitoring.register_event_duration_secs_listener(on_duration)
   try:
@@ -124,7 +140,7 @@ def test_no_compilation_happens_inside_the_training_loop():
     runtime.close()
     assert compiles == []
     # The listener does see compilations: a new shape compiles once.
-    runtime._merge(*jax.device_put((jnp.ones(7), jnp.ones(7), 0.5), jax.devices()[0]))
+    jax.jit(pushsum.merge)(*jax.device_put((jnp.ones(7), jnp.ones(7), 0.5), jax.devices()[0]))
     assert compiles
   finally:
     jax.monitoring.unregister_event_duration_listener(on_duration)

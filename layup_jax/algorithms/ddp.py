@@ -62,6 +62,7 @@ class DDPRuntime:
     return jax.device_put((images, labels), self._sharded)
 
   def compile(self) -> None:
+    """Replaces the jitted step by its compiled executable, so the loop cannot recompile."""
     images = np.concatenate([self._example_images] * self.num_devices)
     labels = np.zeros(len(images), np.int32)
     args = jax.device_put((images, labels), self._sharded)
@@ -70,7 +71,7 @@ class DDPRuntime:
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
         (self.params, self.state, self.opt_state),
     )
-    self._step.lower(*avals, *args, self._key, iteration).compile()
+    self._step = self._step.lower(*avals, *args, self._key, iteration).compile()
 
   def run_until(self, iterations: int, on_progress: Callable[[int], None]) -> None:
     pending = None

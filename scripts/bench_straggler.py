@@ -1,0 +1,76 @@
+"""Training throughput with one straggling device against the same run without one.
+
+For each repeat, every (algorithm, delay) pair runs back to back, so each ratio compares runs
+taken side by side; the table reports medians over repeats. Throughput is training samples per
+second over all devices (compilation and evaluation excluded).
+
+  python scripts/bench_straggler.py --num-devices 4 --delays 0 2 --repeats 3 --out straggler.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from configs import base  # noqa: E402
+from layup_jax import runner  # noqa: E402
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--algorithms", nargs="+", default=["layup", "ddp"])
+  parser.add_argument("--delays", nargs="+", type=float, default=[0.0, 2.0])
+  parser.add_argument("--num-devices", type=int, default=4)
+  parser.add_argument("--straggler", type=int, default=0)
+  parser.add_argument("--num-steps", type=int, default=150)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--out", default="bench_straggler.json")
+  args = parser.parse_args()
+
+  runs = []
+  for repeat in range(args.repeats):
+    for algorithm in args.algorithms:
+      for delay in args.delays:
+        config = base.get_config()
+        config.algorithm, config.num_devices = algorithm, args.num_devices
+        config.num_steps, config.eval_every, config.progress_bar = args.num_steps, 0, False
+        config.straggler.device = args.straggler if delay > 0 else -1
+        config.straggler.delay_iters = delay
+        with tempfile.TemporaryDirectory() as workdir:
+          summary = runner.run(config, workdir)
+        runs.append({"repeat": repeat, "algorithm": algorithm, "delay_iters": delay, **summary})
+        print(f"repeat {repeat} {algorithm:>6} delay {delay:g}: "
+              f"{summary['train_samples_per_s']:.0f} samples/s, "
+              f"accuracy {summary['final_eval_accuracy']:.4f}", flush=True)
+
+  def throughput(algorithm, delay, repeat):
+    return next(r["train_samples_per_s"] for r in runs if r["algorithm"] == algorithm
+                and r["delay_iters"] == delay and r["repeat"] == repeat)
+
+  table = []
+  print(f"\n{'algorithm':<10}{'delay':>6}{'samples/s':>12}{'vs delay 0':>12}{'1/(1+delay)':>13}")
+  for algorithm in args.algorithms:
+    for delay in args.delays:
+      speeds = [throughput(algorithm, delay, r) for r in range(args.repeats)]
+      ratios = [s / throughput(algorithm, args.delays[0], r) for r, s in enumerate(speeds)]
+      row = {"algorithm": algorithm, "delay_iters": delay,
+             "samples_per_s_median": statistics.median(speeds),
+             "ratio_to_no_delay_median": statistics.median(ratios)}
+      table.append(row)
+      print(f"{algorithm:<10}{delay:>6g}{row['samples_per_s_median']:>12.0f}"
+            f"{row['ratio_to_no_delay_median']:>12.3f}{1 / (1 + delay):>13.3f}")
+  print(f"({args.num_devices} devices, straggler device {args.straggler}, {args.num_steps} steps, "
+        f"medians of {args.repeats} repeats, {jax.devices()[0].device_kind})")
+  with open(args.out, "w") as f:
+    json.dump({"args": vars(args), "table": table, "runs": runs}, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
