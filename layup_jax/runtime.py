@@ -36,7 +36,7 @@ import optax
 from layup_jax import pushsum
 from layup_jax.algorithms.base import IterationClock, Snapshot, mean_or_nan
 from layup_jax.data.sharding import Batch
-from layup_jax.stages import StagedModel, make_stage_steps
+from layup_jax.stages import StagedModel, make_stage_steps, staged_value_and_grad
 
 PyTree = Any
 BN_POLICIES = ("mix", "local")
@@ -165,8 +165,11 @@ class LayUpRuntime:
 
   # --- one iteration's pieces, shared by the serial and the threaded modes --------------------
 
-  def _compute_iteration(self, i: int, emit: Callable[[int, PyTree], None]) -> jax.Array:
-    """Forward and backward pass of device i; `emit(stage, grads)` as each gradient appears."""
+  def _compute_iteration(self, i: int, emit: Callable[[int, PyTree], None]):
+    """Forward and backward pass of device i; `emit(stage, grads)` as each gradient appears.
+
+    Returns the loss and the gradients of stage 0, the last output of the backward pass.
+    """
     replica, steps, last = self.replicas[i], self._steps, self.num_stages - 1
     batch = next(self._train_batches[i])
     x, labels = jax.device_put((batch.images, batch.labels), replica.device)
@@ -189,7 +192,7 @@ class LayUpRuntime:
       grads, dx = steps.backward[s](vjps[s], dx)
       vjps[s] = None  # drop the residuals as soon as they are used
       emit(s, grads)
-    return loss
+    return loss, grads
 
   def _pick_peer(self, i: int) -> int | None:
     if self.num_devices == 1:
@@ -218,7 +221,7 @@ class LayUpRuntime:
     The deterministic mode for exact tests: scripted peers, fixed order, no threads.
     """
     grads: dict[int, PyTree] = {}
-    loss = self._compute_iteration(i, lambda s, g: grads.__setitem__(s, g))
+    loss, _ = self._compute_iteration(i, lambda s, g: grads.__setitem__(s, g))
     sent = self.weights.send(i) if peer is not None else 0.0
     for s in reversed(range(self.num_stages)):
       self._update_and_send(i, peer, s, grads[s], sent)
@@ -233,25 +236,15 @@ class LayUpRuntime:
 
     Concurrent first compilations race, and none may happen inside the timed loop.
     """
-    labels = np.zeros(len(self._example_images), np.int32)
+    example_labels = np.zeros(len(self._example_images), np.int32)
     for replica in self.replicas:
-      example = jax.device_put((self._example_images, labels), replica.device)
+      images, labels = jax.device_put((self._example_images, example_labels), replica.device)
       iteration = jax.device_put(np.int32(0), replica.device)
       share = jax.device_put(np.float32(0.5), replica.device)
-      x, vjps, last = example[0], [], self.num_stages - 1
-      for s in range(last):
-        x, _, vjp = self._steps.forward[s](
-            replica.params[s], replica.state[s], x, replica.key, iteration
-        )
-        vjps.append(vjp)
-      outputs = [self._steps.loss(
-          replica.params[last], replica.state[last], x, example[1], replica.key, iteration
-      )]
-      grads, dx = {last: outputs[0][2]}, outputs[0][3]
-      for s in reversed(range(last)):
-        grads[s], dx = self._steps.backward[s](vjps[s], dx)
-      for s in range(self.num_stages):
-        outputs.append(self._update(replica.params[s], replica.opt_state[s], grads[s]))
+      outputs = list(staged_value_and_grad(self._steps, replica.params, replica.state, images,
+                                           labels, replica.key, iteration))
+      for s, grads in enumerate(outputs[1]):
+        outputs.append(self._update(replica.params[s], replica.opt_state[s], grads))
         outputs.append(self._merge(replica.params[s], replica.params[s], share))
         if replica.state[s]:
           outputs.append(self._merge(replica.state[s], replica.state[s], share))
@@ -272,12 +265,13 @@ class LayUpRuntime:
     clock = self._clocks[i]
     while self._budget.acquire():
       clock.start_iteration(idle=self._stop.wait)
-      pending.append(self._compute_iteration(i, lambda s, g: self._hand_over(i, (s, g))))
+      loss, last_grads = self._compute_iteration(i, lambda s, g: self._hand_over(i, (s, g)))
+      pending.append(loss)
       # Bound how far this thread dispatches ahead of its device (the loss is ready once the
       # forward pass of that iteration has run).
       while len(pending) >= self._ahead:
         self._losses[i].append(float(pending.popleft()))
-      clock.end_iteration()
+      clock.end_iteration(last_grads)
 
   def _hand_over(self, i: int, item) -> None:
     while not self._stop.is_set():
@@ -364,9 +358,6 @@ class LayUpRuntime:
 
   def weight_sum(self) -> float:
     return self.weights.total()
-
-  def mean_iteration_s(self) -> list[float]:
-    return [clock.mean() for clock in self._clocks]
 
   def close(self) -> None:
     self._stop.set()

@@ -59,11 +59,13 @@ def init_model(model: StagedModel, example_images: np.ndarray, seed: int):
 
 
 class IterationClock:
-  """The mean duration of a loop's iterations, not counting the straggler's own idling.
+  """Idles a straggler `delay_iters` times its mean iteration time before each iteration.
 
-  The straggler idles `delay_iters` times this mean before each iteration (paper Section 5.4).
-  An iteration lasts from its start to the point where the loop waits for its loss, which in
-  steady state is one device iteration; time spent paused between phases is not counted.
+  Paper Section 5.4: the idle time is a multiple of the time one forward and one backward pass
+  take. A straggler's clock therefore waits, at the end of each iteration, for that iteration's
+  last outputs (the backward pass's end) before reading the time: with asynchronous dispatch
+  the device would otherwise drain its queue during the idling and the measured time, and with
+  it the delay, would shrink towards the dispatch time alone. Clocks without delay never wait.
   """
 
   def __init__(self, delay_iters: float):
@@ -81,9 +83,12 @@ class IterationClock:
       idle(delay)
     self._start = time.perf_counter()
 
-  def end_iteration(self) -> None:
-    self._total += time.perf_counter() - self._start
-    self._count += 1
+  def end_iteration(self, last_outputs: Any) -> None:
+    """Marks the end of an iteration whose work ends with `last_outputs`."""
+    if self.delay_iters > 0:
+      jax.block_until_ready(last_outputs)
+      self._total += time.perf_counter() - self._start
+      self._count += 1
 
 
 def mean_or_nan(values: Sequence[float]) -> float:

@@ -86,7 +86,7 @@ class DDPRuntime:
       if pending is not None:  # one step of dispatch ahead, as LayUp's default
         self._losses.append(float(pending))
       pending = loss
-      self._clock.end_iteration()
+      self._clock.end_iteration(loss)
       on_progress(self.iterations_done())
     if pending is not None:
       self._losses.append(float(pending))
