@@ -22,17 +22,19 @@ class Evaluator:
 
   def __init__(self, model: StagedModel, test: Sequence[EvalBatch], device: jax.Device):
     self._device = device
-    self._batches = [jax.device_put((b.images, b.labels, b.mask), device) for b in test]
+    self._batches = [jax.device_put((b.inputs, b.targets, b.mask), device) for b in test]
     self._num_samples = float(sum(b.mask.sum() for b in test))
     key = jax.device_put(jax.random.key(0), device)
     iteration = jax.device_put(np.int32(0), device)
 
-    def sums(params, state, images, labels, mask):
-      logits, _ = model.apply(params, state, images, key, iteration, train=False)
+    def sums(params, state, inputs, targets, mask):
+      """Summed loss and accuracy over real samples; a sequence's are its tokens' means."""
+      logits, _ = model.apply(params, state, inputs, key, iteration, train=False)
       log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
-      nll = -jnp.take_along_axis(log_probs, labels[:, None], axis=-1)[:, 0]
-      correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-      return jnp.sum(nll * mask), jnp.sum(correct * mask)
+      nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+      correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+      per_sample = lambda v: v.reshape(v.shape[0], -1).mean(axis=1)  # noqa: E731
+      return jnp.sum(per_sample(nll) * mask), jnp.sum(per_sample(correct) * mask)
 
     self._sums = jax.jit(sums)
     self._consensus = jax.jit(_consensus_and_distance)

@@ -36,7 +36,7 @@ import optax
 from layup_jax import pushsum
 from layup_jax.algorithms.base import IterationClock, Snapshot, mean_or_nan
 from layup_jax.data.sharding import Batch
-from layup_jax.stages import StagedModel, make_stage_steps, staged_value_and_grad
+from layup_jax.stages import StagedModel, make_stage_steps, staged_pass, staged_value_and_grad
 
 PyTree = Any
 BN_POLICIES = ("mix", "local")
@@ -116,7 +116,7 @@ class LayUpRuntime:
       train_batches: Sequence[Iterator[Batch]],
       init_params: list[PyTree],
       init_state: list[PyTree],
-      example_images: np.ndarray,
+      example_batch: Batch,
       *,
       seed: int,
       bn_policy: str = "mix",
@@ -130,7 +130,8 @@ class LayUpRuntime:
     self.num_stages = model.num_stages
     self.bn_policy = bn_policy
     self._train_batches = list(train_batches)
-    self._example_images = example_images
+    self._example_batch = example_batch
+    self._model = model
     self._steps = make_stage_steps(model)
     self._update = jax.jit(lambda p, o, g: local_update(tx, p, o, g))
     self._merge = jax.jit(pushsum.merge)
@@ -170,29 +171,15 @@ class LayUpRuntime:
 
     Returns the loss and the gradients of stage 0, the last output of the backward pass.
     """
-    replica, steps, last = self.replicas[i], self._steps, self.num_stages - 1
+    replica = self.replicas[i]
     batch = next(self._train_batches[i])
-    x, labels = jax.device_put((batch.images, batch.labels), replica.device)
+    x, labels = jax.device_put((batch.inputs, batch.targets), replica.device)
     iteration = jax.device_put(np.int32(replica.iteration), replica.device)
     replica.iteration += 1
-    vjps = []
-    for s in range(last):
-      self._position["compute", i] = s
-      x, replica.state[s], vjp = steps.forward[s](
-          replica.params[s], replica.state[s], x, replica.key, iteration
-      )
-      vjps.append(vjp)
-    self._position["compute", i] = last
-    loss, replica.state[last], grads, dx = steps.loss(
-        replica.params[last], replica.state[last], x, labels, replica.key, iteration
+    return staged_pass(
+        self._model, self._steps, lambda s: replica.params[s], replica.state, x, labels,
+        replica.key, iteration, emit, on_stage=lambda s: self._position.update({("compute", i): s}),
     )
-    emit(last, grads)
-    for s in reversed(range(last)):
-      self._position["compute", i] = s
-      grads, dx = steps.backward[s](vjps[s], dx)
-      vjps[s] = None  # drop the residuals as soon as they are used
-      emit(s, grads)
-    return loss, grads
 
   def _pick_peer(self, i: int) -> int | None:
     if self.num_devices == 1:
@@ -236,13 +223,13 @@ class LayUpRuntime:
 
     Concurrent first compilations race, and none may happen inside the timed loop.
     """
-    example_labels = np.zeros(len(self._example_images), np.int32)
+    example = (self._example_batch.inputs, self._example_batch.targets)
     for replica in self.replicas:
-      images, labels = jax.device_put((self._example_images, example_labels), replica.device)
+      inputs, targets = jax.device_put(example, replica.device)
       iteration = jax.device_put(np.int32(0), replica.device)
       share = jax.device_put(np.float32(0.5), replica.device)
-      outputs = list(staged_value_and_grad(self._steps, replica.params, replica.state, images,
-                                           labels, replica.key, iteration))
+      outputs = list(staged_value_and_grad(self._model, self._steps, replica.params,
+                                           replica.state, inputs, targets, replica.key, iteration))
       for s, grads in enumerate(outputs[1]):
         outputs.append(self._update(replica.params[s], replica.opt_state[s], grads))
         outputs.append(self._merge(replica.params[s], replica.params[s], share))

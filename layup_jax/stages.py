@@ -21,9 +21,9 @@ LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean cross-entropy of integer labels."""
+  """Mean cross-entropy of integer labels, over samples (and tokens, for sequences)."""
   log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
-  return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], axis=-1))
+  return -jnp.mean(jnp.take_along_axis(log_probs, labels[..., None], axis=-1))
 
 
 def _accepts_train(module: nn.Module) -> bool:
@@ -33,6 +33,36 @@ def _accepts_train(module: nn.Module) -> bool:
 def stage_rng(key: jax.Array, iteration: jax.Array, stage_idx: int) -> jax.Array:
   """The dropout key of one stage in one iteration, the same in staged and fused steps."""
   return jax.random.fold_in(jax.random.fold_in(key, iteration), stage_idx)
+
+
+def tree_get(tree: PyTree, path: Sequence[str]) -> PyTree:
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def tree_add_at(tree: PyTree, path: Sequence[str], value: jax.Array) -> PyTree:
+  """A copy of nested dicts `tree` with `value` added to the leaf at `path`."""
+  if not path:
+    return tree + value
+  return {**tree, path[0]: tree_add_at(tree[path[0]], path[1:], value)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tie:
+  """Stage `consumer` also reads the array at `path` of stage `owner`'s params.
+
+  GPT-2's output projection is its input embedding. Under layer-wise updates the matrix must be
+  updated once per iteration with the sum of both stages' gradients and merged into a peer once,
+  so it lives only in the owner's params: the consumer's module receives `(x, array)` as input,
+  the array is read from the owner's *current* params when the consumer is dispatched, and the
+  consumer's gradient for it is added to the owner's gradient before the owner's update. The
+  owner precedes the consumer, so in the backward pass the consumer's part arrives first.
+  """
+
+  owner: int
+  consumer: int
+  path: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +75,27 @@ class StagedModel:
 
   modules: tuple[nn.Module, ...]
   loss_fn: LossFn = softmax_cross_entropy
+  ties: tuple[Tie, ...] = ()
 
   def __post_init__(self):
     if not self.modules:
       raise ValueError("a StagedModel needs at least one module")
     object.__setattr__(self, "modules", tuple(self.modules))
+    object.__setattr__(self, "ties", tuple(self.ties))
+    for tie in self.ties:
+      if not 0 <= tie.owner < tie.consumer < len(self.modules):
+        raise ValueError(f"{tie}: the owner stage must come before the consumer stage")
+    if len({tie.consumer for tie in self.ties}) < len(self.ties):
+      raise ValueError("a stage can consume at most one tied array")
+
+  def tie_of(self, stage_idx: int) -> Tie | None:
+    """The tie whose consumer is `stage_idx`, if any."""
+    return next((t for t in self.ties if t.consumer == stage_idx), None)
+
+  def stage_input(self, stage_idx: int, x: PyTree, read_params: Callable[[int], PyTree]) -> PyTree:
+    """`x`, or `(x, tied array)` for a consumer stage, reading the owner's params now."""
+    tie = self.tie_of(stage_idx)
+    return x if tie is None else (x, tree_get(read_params(tie.owner), tie.path))
 
   @property
   def num_stages(self) -> int:
@@ -61,6 +107,7 @@ class StagedModel:
     for stage_idx, module in enumerate(self.modules):
       init_rng, dropout_rng = jax.random.split(jax.random.fold_in(rng, stage_idx))
       kwargs = {"train": False} if _accepts_train(module) else {}
+      x = self.stage_input(stage_idx, x, params.__getitem__)
       x, variables = module.init_with_output(
           {"params": init_rng, "dropout": dropout_rng}, x, **kwargs
       )
@@ -103,6 +150,7 @@ class StagedModel:
     new_state = []
     for stage_idx in range(self.num_stages):
       rng = stage_rng(key, iteration, stage_idx)
+      x = self.stage_input(stage_idx, x, params.__getitem__)
       x, stage_state = self.apply_stage(stage_idx, params[stage_idx], state[stage_idx], x, rng, train)
       new_state.append(stage_state)
     return x, new_state
@@ -122,11 +170,14 @@ class StageSteps:
                         -> (loss, new_state, grads, dx)   (dx is None for a one-stage model)
   backward[s]:          (vjp, dy) -> (grads, dx); stage 0 returns (grads, None) so that XLA
                         drops the unused input gradient.
+  add_tied[s]:          (grads, tied_grad) -> grads, for the owner stage of a tie.
+  A consumer stage's `x` and `dx` are `(activation, tied array)` pairs.
   """
 
   forward: tuple[Callable, ...]
   loss: Callable
   backward: tuple[Callable, ...]
+  add_tied: dict[int, Callable]
 
 
 def make_stage_steps(model: StagedModel) -> StageSteps:
@@ -158,31 +209,69 @@ def make_stage_steps(model: StagedModel) -> StageSteps:
     )(params, x)
     return value, new_state, grads[0], (grads[1] if last > 0 else None)
 
+  def make_add_tied(tie):
+    return jax.jit(lambda grads, tied_grad: tree_add_at(grads, tie.path, tied_grad))
+
   return StageSteps(
       forward=tuple(make_forward(s) for s in range(last)),
       loss=jax.jit(loss),
       backward=tuple(make_backward(s) for s in range(last)),
+      add_tied={tie.owner: make_add_tied(tie) for tie in model.ties},
   )
 
 
-def staged_value_and_grad(steps: StageSteps, params, state, x, labels, key, iteration):
-  """One forward and backward pass through the stage functions, on the calling thread.
+def staged_pass(
+    model: StagedModel,
+    steps: StageSteps,
+    read_params: Callable[[int], PyTree],
+    state: list[PyTree],
+    x: jax.Array,
+    labels: jax.Array,
+    key: jax.Array,
+    iteration: jax.Array,
+    emit: Callable[[int, PyTree], None],
+    on_stage: Callable[[int], None] = lambda stage_idx: None,
+):
+  """One forward and backward pass, dispatched stage by stage (paper Algorithm 1, compute side).
 
-  Returns `(loss, grads per stage, new state per stage)`. The runtime interleaves the same calls
-  with its updater; this serial form is the reference that tests compare with `jax.grad`.
+  `read_params(s)` is called when stage s is dispatched, so a stage uses the freshest params;
+  `state[s]` is replaced as soon as stage s's forward returns; `emit(s, grads)` is called as soon
+  as stage s's gradient is dispatched, last stage first. Returns `(loss, grads of stage 0)`.
   """
-  num_stages = len(params)
-  vjps, new_state = [], list(state)
-  for stage_idx in range(num_stages - 1):
-    x, new_state[stage_idx], vjp = steps.forward[stage_idx](
-        params[stage_idx], state[stage_idx], x, key, iteration
-    )
+  last = model.num_stages - 1
+  vjps = []
+  for s in range(last):
+    on_stage(s)
+    x_in = model.stage_input(s, x, read_params)
+    x, state[s], vjp = steps.forward[s](read_params(s), state[s], x_in, key, iteration)
     vjps.append(vjp)
-  loss, new_state[-1], last_grads, dx = steps.loss(
-      params[-1], state[-1], x, labels, key, iteration
-  )
-  grads = [None] * num_stages
-  grads[-1] = last_grads
-  for stage_idx in reversed(range(num_stages - 1)):
-    grads[stage_idx], dx = steps.backward[stage_idx](vjps[stage_idx], dx)
+  on_stage(last)
+  x_in = model.stage_input(last, x, read_params)
+  loss, state[last], grads, dx = steps.loss(read_params(last), state[last], x_in, labels, key,
+                                            iteration)
+  tied_grads = {}
+  for s in reversed(range(last + 1)):
+    if s < last:
+      on_stage(s)
+      grads, dx = steps.backward[s](vjps[s], dx)
+      vjps[s] = None  # drop the residuals as soon as they are used
+    tie = model.tie_of(s)
+    if tie is not None:
+      dx, tied_grads[tie.owner] = dx
+    if s in tied_grads:
+      grads = steps.add_tied[s](grads, tied_grads.pop(s))
+    emit(s, grads)
+  return loss, grads
+
+
+def staged_value_and_grad(model: StagedModel, steps: StageSteps, params, state, x, labels, key,
+                          iteration):
+  """One staged forward and backward pass on fixed params, on the calling thread.
+
+  Returns `(loss, grads per stage, new state per stage)`: the reference that tests compare with
+  `jax.grad` of the composed model, and the runtime's warm-up.
+  """
+  grads, new_state = [None] * model.num_stages, list(state)
+  loss, _ = staged_pass(model, steps, params.__getitem__, new_state, x, labels, key, iteration,
+                        grads.__setitem__)
   return loss, grads, new_state

@@ -68,10 +68,10 @@ def main() -> None:
   dataset = data.make_dataset(config.data, 1, config.seed)
   model = models.make_model(config.model)
   tx = optim.make_optimizer(config.optimizer, 10_000)
-  params, state = init_model(model, dataset.example_images, config.seed)
+  params, state = init_model(model, dataset.example_batch, config.seed)
 
   layup = LayUpRuntime(model, tx, [device], dataset.train, params, state,
-                       dataset.example_images, seed=config.seed)
+                       dataset.example_batch, seed=config.seed)
   layup.compile()
 
   fused_step = jax.jit(functools.partial(ddp.train_step, model, tx), donate_argnums=(0, 1, 2))
@@ -81,7 +81,7 @@ def main() -> None:
 
   def fused_iteration():
     batch = next(batches)
-    images, labels = jax.device_put((batch.images, batch.labels), device)
+    images, labels = jax.device_put((batch.inputs, batch.targets), device)
     iteration = jax.device_put(np.int32(fused["i"]), device)
     *carry, loss = fused_step(*fused["carry"], images, labels, key, iteration)
     fused["carry"], fused["i"] = tuple(carry), fused["i"] + 1

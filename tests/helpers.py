@@ -39,13 +39,13 @@ def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_s
 
   from layup_jax.algorithms.base import init_model
   from layup_jax.data import digits
-  from layup_jax.data.sharding import ShardIterator
+  from layup_jax.data.sharding import Batch, ShardIterator
   from layup_jax.runtime import LayUpRuntime
 
   model = model or mlp_model()
   train, _ = digits.load_digits(0.2)
   iterators = [ShardIterator(train, num_devices, i, batch_size, seed) for i in range(num_devices)]
-  example = train.images[:batch_size]
+  example = Batch(train.inputs[:batch_size], train.targets[:batch_size])
   params, state = init_model(model, example, seed)
   tx = optax.sgd(learning_rate, momentum=0.9)
   return LayUpRuntime(model, tx, jax.devices()[:num_devices], iterators, params, state, example,

@@ -23,11 +23,11 @@ def test_epochs_are_reshuffled_and_the_seed_fixes_the_order():
 def test_a_device_iterator_walks_its_shard_then_moves_to_the_next_epoch():
   train, test = digits.load_digits(0.2)
   assert (len(train), len(test)) == (1438, 359)
-  assert train.images.shape[1:] == (8, 8, 1) and 0 <= train.images.min() <= train.images.max() <= 1
+  assert train.inputs.shape[1:] == (8, 8, 1) and 0 <= train.inputs.min() <= train.inputs.max() <= 1
   iterator = ShardIterator(train, 8, 5, batch_size=16, seed=0)
   assert iterator.batches_per_epoch() == 179 // 16
-  seen = np.concatenate([next(iterator).labels for _ in range(iterator.batches_per_epoch())])
-  want = train.labels[shard_indices(1438, 8, 5, 0, 0)][: len(seen)]
+  seen = np.concatenate([next(iterator).targets for _ in range(iterator.batches_per_epoch())])
+  want = train.targets[shard_indices(1438, 8, 5, 0, 0)][: len(seen)]
   np.testing.assert_array_equal(seen, want)
   next(iterator)
   assert (iterator.epoch, iterator.position) == (1, 16)
@@ -36,6 +36,6 @@ def test_a_device_iterator_walks_its_shard_then_moves_to_the_next_epoch():
 def test_eval_batches_pad_and_mask_the_last_batch():
   _, test = digits.load_digits(0.2)
   batches = eval_batches(test, 128)
-  assert [len(b.labels) for b in batches] == [128, 128, 128]
+  assert [len(b.targets) for b in batches] == [128, 128, 128]
   assert sum(float(b.mask.sum()) for b in batches) == 359
-  np.testing.assert_array_equal(np.concatenate([b.labels for b in batches])[:359], test.labels)
+  np.testing.assert_array_equal(np.concatenate([b.targets for b in batches])[:359], test.targets)

@@ -16,7 +16,7 @@ from layup_jax.data import digits
 def test_ddp_step_on_eight_devices_equals_one_device_step_on_the_concatenated_batch(tiny_config):
   model = models.make_model(tiny_config.model)
   train, _ = digits.load_digits(0.2)
-  images, labels = train.images[:64], train.labels[:64]  # 8 devices x 8 samples
+  images, labels = train.inputs[:64], train.targets[:64]  # 8 devices x 8 samples
   params, state = model.init(jax.random.key(0), images[:8])
   tx = optax.sgd(0.1, momentum=0.9)
   opt_state = tx.init(params)

@@ -114,14 +114,14 @@ def _ddp_runtime(num_devices):
   import optax
 
   from layup_jax.algorithms.ddp import DDPRuntime
-  from layup_jax.data.sharding import ShardIterator
+  from layup_jax.data.sharding import Batch, ShardIterator
 
   train, _ = digits.load_digits(0.2)
   model = mlp_model()
-  params, state = model.init(jax.random.key(0), train.images[:8])
+  params, state = model.init(jax.random.key(0), train.inputs[:8])
   iterators = [ShardIterator(train, num_devices, i, 8, 0) for i in range(num_devices)]
   return DDPRuntime(model, optax.sgd(0.05), jax.devices()[:num_devices], iterators, params,
-                    state, train.images[:8], seed=0)
+                    state, Batch(train.inputs[:8], train.targets[:8]), seed=0)
 
 
 @pytest.mark.parametrize("algorithm", ["layup", "ddp"])

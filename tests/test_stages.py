@@ -12,7 +12,7 @@ from tests.helpers import mlp_model
 
 def _digits_batch(size=16):
   train, _ = digits.load_digits(0.2)
-  return train.images[:size], train.labels[:size]
+  return train.inputs[:size], train.targets[:size]
 
 
 @pytest.mark.parametrize("model_name", ["resnet", "mlp"])
@@ -23,7 +23,7 @@ def test_staged_gradients_equal_jax_grad_of_the_composed_model(tiny_config, mode
   key, iteration = jax.random.key(1), np.int32(3)
 
   loss, grads, new_state = stages.staged_value_and_grad(
-      stages.make_stage_steps(model), params, state, images, labels, key, iteration
+      model, stages.make_stage_steps(model), params, state, images, labels, key, iteration
   )
   (want_loss, want_state), want_grads = jax.value_and_grad(model.loss, has_aux=True)(
       params, state, images, labels, key, iteration

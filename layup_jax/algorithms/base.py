@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from layup_jax.data.sharding import Batch
 from layup_jax.stages import StagedModel
 
 PyTree = Any
@@ -53,9 +54,9 @@ class Runtime(Protocol):
     """Stops and joins whatever the runtime started; safe to call twice."""
 
 
-def init_model(model: StagedModel, example_images: np.ndarray, seed: int):
+def init_model(model: StagedModel, example_batch: Batch, seed: int):
   """Per-stage params and state from the run's seed; every replica starts from these."""
-  return model.init(jax.random.key(seed), example_images)
+  return model.init(jax.random.key(seed), example_batch.inputs)
 
 
 class IterationClock:

@@ -22,10 +22,10 @@ from layup_jax.stages import StagedModel
 
 
 def train_step(model: StagedModel, tx: optax.GradientTransformation, params, state, opt_state,
-               images, labels, key, iteration):
+               inputs, targets, key, iteration):
   """One fused `value_and_grad` + Optax step: `(params, state, opt_state, loss)`."""
   (loss, new_state), grads = jax.value_and_grad(model.loss, has_aux=True)(
-      params, state, images, labels, key, iteration
+      params, state, inputs, targets, key, iteration
   )
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), new_state, opt_state, loss
@@ -34,14 +34,14 @@ def train_step(model: StagedModel, tx: optax.GradientTransformation, params, sta
 class DDPRuntime:
   """The synchronous baseline behind the same interface as LayUp's runtime."""
 
-  def __init__(self, model, tx, devices, train_batches, params, state, example_images, *,
+  def __init__(self, model, tx, devices, train_batches, params, state, example_batch, *,
                seed: int, straggler_delay_iters: float = 0.0):
     self.num_devices = len(devices)
     mesh = Mesh(np.asarray(devices), ("data",))
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._sharded = NamedSharding(mesh, PartitionSpec("data"))
     self._train_batches = list(train_batches)
-    self._example_images = example_images
+    self._example_batch = example_batch
     self.params = jax.device_put(params, self._replicated)
     self.state = jax.device_put(state, self._replicated)
     self.opt_state = jax.jit(tx.init, out_shardings=self._replicated)(self.params)
@@ -57,15 +57,15 @@ class DDPRuntime:
 
   def _global_batch(self):
     batches = [next(it) for it in self._train_batches]
-    images = np.concatenate([b.images for b in batches])
-    labels = np.concatenate([b.labels for b in batches])
-    return jax.device_put((images, labels), self._sharded)
+    inputs = np.concatenate([b.inputs for b in batches])
+    targets = np.concatenate([b.targets for b in batches])
+    return jax.device_put((inputs, targets), self._sharded)
 
   def compile(self) -> None:
     """Replaces the jitted step by its compiled executable, so the loop cannot recompile."""
-    images = np.concatenate([self._example_images] * self.num_devices)
-    labels = np.zeros(len(images), np.int32)
-    args = jax.device_put((images, labels), self._sharded)
+    example = self._example_batch
+    args = jax.device_put((np.concatenate([example.inputs] * self.num_devices),
+                           np.concatenate([example.targets] * self.num_devices)), self._sharded)
     iteration = jax.device_put(np.int32(0), self._replicated)
     avals = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
@@ -77,10 +77,10 @@ class DDPRuntime:
     pending = None
     while self.iterations_done() < iterations:
       self._clock.start_iteration()
-      images, labels = self._global_batch()
+      inputs, targets = self._global_batch()
       iteration = jax.device_put(np.int32(self._steps_done), self._replicated)
       self.params, self.state, self.opt_state, loss = self._step(
-          self.params, self.state, self.opt_state, images, labels, self._key, iteration
+          self.params, self.state, self.opt_state, inputs, targets, self._key, iteration
       )
       self._steps_done += 1
       if pending is not None:  # one step of dispatch ahead, as LayUp's default
@@ -112,7 +112,7 @@ class DDPRuntime:
 def build(config: ml_collections.ConfigDict, model: StagedModel,
           tx: optax.GradientTransformation, devices: Sequence[jax.Device],
           dataset: Dataset) -> DDPRuntime:
-  params, state = init_model(model, dataset.example_images, config.seed)
+  params, state = init_model(model, dataset.example_batch, config.seed)
   delay = config.straggler.delay_iters if config.straggler.device >= 0 else 0.0
-  return DDPRuntime(model, tx, devices, dataset.train, params, state, dataset.example_images,
+  return DDPRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,
                     seed=config.seed, straggler_delay_iters=delay)

@@ -19,9 +19,9 @@ def build(
     devices: Sequence[jax.Device],
     dataset: Dataset,
 ) -> LayUpRuntime:
-  params, state = init_model(model, dataset.example_images, config.seed)
+  params, state = init_model(model, dataset.example_batch, config.seed)
   return LayUpRuntime(
-      model, tx, devices, dataset.train, params, state, dataset.example_images,
+      model, tx, devices, dataset.train, params, state, dataset.example_batch,
       seed=config.seed,
       bn_policy=config.layup.bn_policy,
       max_dispatch_ahead=config.layup.max_dispatch_ahead,

@@ -16,7 +16,7 @@ EVAL_BATCH_SIZE = 512
 class Dataset:
   train: list[ShardIterator]  # one per device, each over its own exclusive shard
   test: list[EvalBatch]
-  example_images: np.ndarray  # one training batch, for shapes at init
+  example_batch: Batch  # one training batch, for shapes at init and compilation
   num_train: int
 
   @property
@@ -31,7 +31,7 @@ def _in_memory(train: ArraySplit, test: ArraySplit, config, num_devices: int, se
   return Dataset(
       train=iterators,
       test=eval_batches(test, min(EVAL_BATCH_SIZE, len(test))),
-      example_images=train.images[: config.batch_size],
+      example_batch=Batch(train.inputs[: config.batch_size], train.targets[: config.batch_size]),
       num_train=len(train),
   )
 

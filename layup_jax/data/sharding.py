@@ -8,23 +8,23 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class ArraySplit:
-  images: np.ndarray
-  labels: np.ndarray
+  inputs: np.ndarray
+  targets: np.ndarray
 
   def __len__(self) -> int:
-    return len(self.labels)
+    return len(self.targets)
 
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-  images: np.ndarray
-  labels: np.ndarray
+  inputs: np.ndarray
+  targets: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalBatch:
-  images: np.ndarray
-  labels: np.ndarray
+  inputs: np.ndarray
+  targets: np.ndarray
   mask: np.ndarray  # 1 for real samples, 0 for padding of the last batch
 
 
@@ -60,18 +60,18 @@ class ShardIterator(Iterator[Batch]):
       self._indices = self._epoch_indices()
     chosen = self._indices[self.position : self.position + self._batch_size]
     self.position += self._batch_size
-    return Batch(self._split.images[chosen], self._split.labels[chosen])
+    return Batch(self._split.inputs[chosen], self._split.targets[chosen])
 
 
 def eval_batches(split: ArraySplit, batch_size: int) -> list[EvalBatch]:
   """The whole split in order, the last batch padded to full size and masked."""
   batches = []
   for start in range(0, len(split), batch_size):
-    images = split.images[start : start + batch_size]
-    labels = split.labels[start : start + batch_size]
-    pad = batch_size - len(labels)
-    mask = np.concatenate([np.ones(len(labels), np.float32), np.zeros(pad, np.float32)])
-    images = np.concatenate([images, np.zeros((pad, *images.shape[1:]), images.dtype)])
-    labels = np.concatenate([labels, np.zeros(pad, labels.dtype)])
-    batches.append(EvalBatch(images, labels, mask))
+    inputs = split.inputs[start : start + batch_size]
+    targets = split.targets[start : start + batch_size]
+    pad = batch_size - len(targets)
+    mask = np.concatenate([np.ones(len(targets), np.float32), np.zeros(pad, np.float32)])
+    inputs = np.concatenate([inputs, np.zeros((pad, *inputs.shape[1:]), inputs.dtype)])
+    targets = np.concatenate([targets, np.zeros((pad, *targets.shape[1:]), targets.dtype)])
+    batches.append(EvalBatch(inputs, targets, mask))
   return batches
