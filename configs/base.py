@@ -17,8 +17,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict()
   config.model.name = "digits_resnet"  # a name in layup_jax.models.names()
   config.model.num_classes = 10
-  config.model.widths = (16, 32, 64)  # channels of the three ResNet stages
-  config.model.blocks_per_stage = 1  # basic blocks in each of the three stages
+  config.model.widths = (16, 32, 64)  # digits_resnet: channels of its three widths
+  config.model.blocks_per_stage = 1  # digits_resnet: basic blocks per width
+  config.model.variant = "cifar"  # ResNets: "cifar" (3x3 stem) or "imagenet" (7x7 stem, max-pool)
+  config.model.size = "gpt2"  # GPT-2: "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"
+  config.model.granularity = "per_block"  # stages: "per_block" or "per_layer" (finer, more dispatch)
+  config.model.dtype = "float32"  # compute dtype, "float32" or "bfloat16" (params stay float32)
+  config.model.dropout = 0.0  # GPT-2 dropout rate
+  config.model.vocab_size = 50257  # token models: vocabulary size
+  config.model.max_len = 1024  # GPT-2: context length (learned positions)
+  config.model.hidden_size = 256  # LSTM: embedding and hidden width
+  config.model.num_layers = 2  # LSTM: layers
 
   config.data = ml_collections.ConfigDict()
   config.data.name = "digits"  # a name in layup_jax.data.names()

@@ -7,6 +7,7 @@ import ml_collections
 
 from configs import base
 from layup_jax import algorithms, data, models, optim, runtime
+from layup_jax.models import gpt2
 
 
 class ConfigError(ValueError):
@@ -56,6 +57,10 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
     raise ConfigError(f"unknown config key {unknown[0]} (every key is listed in configs/base.py)")
   _one_of(config, "algorithm", algorithms.names())
   _one_of(config, "model.name", models.names())
+  _one_of(config, "model.variant", models.VARIANTS)
+  _one_of(config, "model.granularity", models.GRANULARITIES)
+  _one_of(config, "model.dtype", models.DTYPES)
+  _one_of(config, "model.size", gpt2.SIZES)
   _one_of(config, "data.name", data.names())
   _one_of(config, "optimizer.name", optim.OPTIMIZERS)
   _one_of(config, "optimizer.schedule", optim.SCHEDULES)
@@ -72,11 +77,14 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("optimizer.weight_decay", 0), ("optimizer.warmup_steps", 0),
       ("optimizer.warmup_init_lr", 0), ("num_steps", 0), ("num_epochs", 0), ("eval_every", 0),
       ("layup.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
+      ("model.num_classes", 1), ("model.vocab_size", 1), ("model.max_len", 1),
+      ("model.hidden_size", 1), ("model.num_layers", 1), ("model.dropout", 0),
   ]
   for key, bound in checks:
     _at_least(config, key, bound)
   _require(config.optimizer.momentum < 1, "optimizer.momentum", config.optimizer.momentum,
            "must be < 1")
+  _require(config.model.dropout < 1, "model.dropout", config.model.dropout, "must be < 1")
   _require(0 < config.data.test_fraction < 1, "data.test_fraction", config.data.test_fraction,
            "must be between 0 and 1")
   _require(config.num_steps > 0 or config.num_epochs > 0, "num_steps", config.num_steps,

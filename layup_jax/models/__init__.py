@@ -1,27 +1,68 @@
 """Models by name: each builder turns `config.model` into a StagedModel."""
 
+import dataclasses
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
-from layup_jax.models import resnet
+from layup_jax.models import gpt2, lstm, resnet
 from layup_jax.stages import StagedModel
 
-
-def _digits_resnet(config: ml_collections.ConfigDict) -> StagedModel:
-  return StagedModel(
-      resnet.small_resnet(tuple(config.widths), config.blocks_per_stage, config.num_classes)
-  )
+GRANULARITIES = ("per_block", "per_layer")
+VARIANTS = ("cifar", "imagenet")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-_REGISTRY: dict[str, Callable[[ml_collections.ConfigDict], StagedModel]] = {
-    "digits_resnet": _digits_resnet,
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+  build: Callable[[ml_collections.ConfigDict], StagedModel]
+  example_inputs: Callable[[ml_collections.ConfigDict, int], np.ndarray]  # config, batch
+
+
+def _images(height: int, channels: int = 3):
+  return lambda config, batch: np.zeros((batch, height, height, channels), np.float32)
+
+
+def _resnet_images(config, batch):
+  return _images(224 if config.variant == "imagenet" else 32)(config, batch)
+
+
+def _tokens(config, batch):
+  return np.zeros((batch, min(config.max_len, 16)), np.int32)
+
+
+def _resnet(factory):
+  def build(config):
+    return StagedModel(factory(config.num_classes, config.variant == "imagenet",
+                               config.granularity))
+  return build
+
+
+_REGISTRY: dict[str, ModelEntry] = {
+    "digits_resnet": ModelEntry(
+        lambda c: StagedModel(resnet.small_resnet(tuple(c.widths), c.blocks_per_stage,
+                                                  c.num_classes, c.granularity)),
+        _images(8, 1)),
+    "resnet18": ModelEntry(_resnet(resnet.resnet18), _resnet_images),
+    "resnet50": ModelEntry(_resnet(resnet.resnet50), _resnet_images),
+    "gpt2": ModelEntry(
+        lambda c: gpt2.gpt2(c.size, c.vocab_size, c.max_len, c.dropout, DTYPES[c.dtype],
+                            c.granularity),
+        _tokens),
+    "lstm": ModelEntry(
+        lambda c: StagedModel(lstm.lstm_classifier(c.vocab_size, c.hidden_size, c.num_layers,
+                                                   c.num_classes)),
+        _tokens),
 }
 
 
-def register(name: str, builder: Callable[[ml_collections.ConfigDict], StagedModel]) -> None:
+def register(name: str, builder: Callable[[ml_collections.ConfigDict], StagedModel],
+             example_inputs: Callable[[ml_collections.ConfigDict, int], np.ndarray] | None = None
+             ) -> None:
   """Makes `config.model.name = name` build `builder(config.model)` (bring your own model)."""
-  _REGISTRY[name] = builder
+  _REGISTRY[name] = ModelEntry(builder, example_inputs or _images(8, 1))
 
 
 def names() -> list[str]:
@@ -30,4 +71,9 @@ def names() -> list[str]:
 
 def make_model(config: ml_collections.ConfigDict) -> StagedModel:
   """The staged model that `config.model` names."""
-  return _REGISTRY[config.name](config)
+  return _REGISTRY[config.name].build(config)
+
+
+def example_inputs(config: ml_collections.ConfigDict, batch: int) -> np.ndarray:
+  """A zero batch of the model's input shape, for shapes and parameter counts."""
+  return _REGISTRY[config.name].example_inputs(config, batch)

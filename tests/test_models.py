@@ -1,0 +1,151 @@
+"""The paper's models as staged Flax models: counts, staged gradients, LayUp and DDP steps, tying."""
+
+import math
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+
+from configs import base
+from layup_jax import models, stages
+from layup_jax.algorithms.ddp import DDPRuntime
+from layup_jax.data.sharding import Batch
+from layup_jax.models import __main__ as summary
+from layup_jax.runtime import LayUpRuntime
+
+PUBLISHED = {"resnet18": 11.69e6, "resnet50": 25.56e6, "gpt2": 124e6, "gpt2-medium": 355e6,
+             "gpt2-large": 774e6, "gpt2-xl": 1558e6}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_counts_match_the_published_ones(name):
+  counts = summary.parameter_counts(summary.summary_config(name, "imagenet", 1000))
+  assert sum(counts) == pytest.approx(PUBLISHED[name], rel=0.005)
+
+
+def tiny(name: str, **overrides):
+  """A config.model small enough for CPU tests, and a batch generator for it."""
+  config = base.get_config().model
+  config.name = name
+  config.update(dict(variant="cifar", num_classes=5, size="tiny", vocab_size=48, max_len=16,
+                     hidden_size=16, num_layers=2, dropout=0.0))
+  config.update(overrides)
+  return config
+
+
+def batch_for(config, batch_size: int, seed: int) -> Batch:
+  rng = np.random.default_rng(seed)
+  if config.name in ("resnet18", "resnet50"):
+    size = 64 if config.variant == "imagenet" else 16  # both end at 2x2 before the head
+    inputs = rng.normal(size=(batch_size, size, size, 3)).astype(np.float32)
+    return Batch(inputs, rng.integers(0, config.num_classes, batch_size).astype(np.int32))
+  tokens = rng.integers(0, config.vocab_size, (batch_size, 9)).astype(np.int32)
+  if config.name == "gpt2":
+    return Batch(tokens[:, :-1], tokens[:, 1:])
+  return Batch(tokens[:, :-1], rng.integers(0, config.num_classes, batch_size).astype(np.int32))
+
+
+MODELS = [
+    tiny("resnet18"),
+    tiny("resnet18", granularity="per_layer"),
+    tiny("resnet18", variant="imagenet"),
+    tiny("resnet50"),
+    tiny("gpt2", dropout=0.1),
+    tiny("gpt2", granularity="per_layer", dropout=0.1),
+    tiny("gpt2", dtype="bfloat16"),
+    tiny("lstm"),
+]
+IDS = ["resnet18", "resnet18-per_layer", "resnet18-imagenet", "resnet50", "gpt2-tiny",
+       "gpt2-tiny-per_layer", "gpt2-tiny-bf16", "lstm"]
+
+
+@pytest.mark.parametrize("config", MODELS, ids=IDS)
+def test_staged_gradients_equal_jax_grad(config):
+  model = models.make_model(config)
+  batch = batch_for(config, 4, 0)
+  params, state = model.init(jax.random.key(0), batch.inputs)
+  key, iteration = jax.random.key(1), np.int32(2)
+  loss, grads, _ = stages.staged_value_and_grad(
+      model, stages.make_stage_steps(model), params, state, batch.inputs, batch.targets, key,
+      iteration)
+  (want_loss, _), want = jax.value_and_grad(model.loss, has_aux=True)(
+      params, state, batch.inputs, batch.targets, key, iteration)
+  tolerance = 2e-2 if config.dtype == "bfloat16" else 1e-4
+  assert float(loss) == pytest.approx(float(want_loss), rel=tolerance)
+  chex.assert_trees_all_close(grads, want, atol=tolerance, rtol=tolerance)
+
+
+def _iterators(config, num_devices):
+  def endless(device):
+    step = 0
+    while True:
+      yield batch_for(config, 4, 1000 * device + step)
+      step += 1
+  return [endless(i) for i in range(num_devices)]
+
+
+@pytest.mark.parametrize("config", [MODELS[i] for i in (0, 3, 4, 7)],
+                         ids=["resnet18", "resnet50", "gpt2-tiny", "lstm"])
+def test_one_layup_and_one_ddp_step_on_four_devices(config):
+  model = models.make_model(config)
+  example = batch_for(config, 4, 0)
+  params, state = model.init(jax.random.key(0), example.inputs)
+  devices = jax.devices()[:4]
+  tx = optax.sgd(0.1)
+
+  layup = LayUpRuntime(model, tx, devices, _iterators(config, 4), params, state, example, seed=0)
+  layup.compile()
+  layup.run_until(4, lambda _: None)
+  layup.close()
+  assert layup.iterations_done() == 4 and np.isfinite(layup.train_loss())
+  assert layup.weight_sum() == pytest.approx(1.0)
+  moved = [not np.allclose(a, b) for a, b in zip(
+      jax.tree.leaves(jax.device_get(layup.replicas[0].params)), jax.tree.leaves(params))]
+  assert any(moved)
+
+  ddp = DDPRuntime(model, tx, devices, _iterators(config, 4), params, state, example, seed=0)
+  ddp.compile()
+  ddp.run_until(4, lambda _: None)
+  assert ddp.iterations_done() == 4 and np.isfinite(ddp.train_loss())
+
+
+def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
+  config = tiny("gpt2")
+  model = models.make_model(config)
+  batch = batch_for(config, 4, 0)
+  params, state = model.init(jax.random.key(0), batch.inputs)
+  key, iteration = jax.random.key(1), np.int32(0)
+  wte_shape = (config.vocab_size, 64)
+
+  _, grads, _ = stages.staged_value_and_grad(
+      model, stages.make_stage_steps(model), params, state, batch.inputs, batch.targets, key,
+      iteration)
+
+  def loss_with(embedding_wte, head_wte):
+    """The loss with the two uses of wte given separately."""
+    first = [{**params[0], "wte": {"embedding": embedding_wte}}, *params[1:]]
+    x = batch.inputs
+    for s in range(model.num_stages - 1):
+      x, _ = model.apply_stage(s, first[s], state[s], x, stages.stage_rng(key, iteration, s), True)
+    logits, _ = model.apply_stage(model.num_stages - 1, params[-1], state[-1], (x, head_wte),
+                                  stages.stage_rng(key, iteration, model.num_stages - 1), True)
+    return model.loss_fn(logits, batch.targets)
+
+  wte = params[0]["wte"]["embedding"]
+  from_embedding, from_head = jax.grad(loss_with, argnums=(0, 1))(wte, wte)
+  assert float(np.abs(from_embedding).max()) > 1e-4 and float(np.abs(from_head).max()) > 1e-4
+  chex.assert_trees_all_close(grads[0]["wte"]["embedding"], from_embedding + from_head,
+                              atol=1e-6, rtol=1e-5)
+
+  # After LayUp iterations each replica holds the matrix once, in stage 0.
+  runtime = LayUpRuntime(model, optax.sgd(0.1), jax.devices()[:2], _iterators(config, 2), params,
+                         state, batch, seed=0)
+  runtime.iterate_serial(0, 1)
+  runtime.iterate_serial(1, 0)
+  for replica in runtime.replicas:
+    shapes = [leaf.shape for stage in replica.params for leaf in jax.tree.leaves(stage)]
+    assert shapes.count(wte_shape) == 1
+    assert jax.tree.leaves(replica.params[0]["wte"])[0].shape == wte_shape
+  assert math.isclose(runtime.weight_sum(), 1.0)
