@@ -28,6 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.max_len = 1024  # GPT-2: context length (learned positions)
   config.model.hidden_size = 256  # LSTM: embedding and hidden width
   config.model.num_layers = 2  # LSTM: layers
+  config.model.pretrained = ""  # GPT-2: local Hugging Face style directory with model.safetensors
 
   config.data = ml_collections.ConfigDict()
   config.data.name = "digits"  # a name in layup_jax.data.names()

@@ -3,6 +3,8 @@
 `configs/base.py` is the schema: a key it does not have is reported as unknown.
 """
 
+import pathlib
+
 import ml_collections
 
 from configs import base
@@ -65,6 +67,13 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "optimizer.name", optim.OPTIMIZERS)
   _one_of(config, "optimizer.schedule", optim.SCHEDULES)
   _one_of(config, "layup.bn_policy", runtime.BN_POLICIES)
+
+  pretrained = config.model.pretrained
+  if pretrained:
+    _require(models.supports_pretrained(config.model.name), "model.pretrained", pretrained,
+             f"model {config.model.name!r} has no weight import (gpt2 has)")
+    _require(pathlib.Path(pretrained, "model.safetensors").is_file(), "model.pretrained",
+             pretrained, "no model.safetensors in that directory (nothing is downloaded)")
 
   num_devices = config.num_devices
   _require(

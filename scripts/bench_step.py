@@ -3,16 +3,17 @@
 Staged: the per-stage jitted forwards (each returning its VJP), the per-stage VJPs in reverse,
 and one Optax update per stage, dispatched from Python as LayUp's threads do (serial mode, one
 device, no peer). Fused: one jitted `value_and_grad` + Optax step of the same model, batch and
-optimizer. Both wait for the loss every iteration. Repeats alternate between the two, so the
-ratio is measured side by side; medians are reported.
+optimizer. Both wait for the loss every iteration. Repeats alternate between the two, so each
+ratio is measured side by side; medians are reported. FLOPs per iteration come from XLA's
+`compiled.cost_analysis()` (summed over the stage functions for the staged step); MFU is given
+where the device's peak is known.
 
-  python scripts/bench_step.py --config configs/digits.py --repeats 7 --iters 50 --out bench.json
+  python scripts/bench_step.py --cases digits resnet18-cifar gpt2-tiny --out bench_step.json
+  python scripts/bench_step.py --cases gpt2-124m-bf16     # on a GPU
 """
 
 import argparse
-import ast
 import functools
-import importlib.util
 import json
 import os
 import platform
@@ -26,25 +27,83 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from layup_jax import data, models, optim  # noqa: E402
+from configs import base  # noqa: E402
+from layup_jax import data, models, optim, stages  # noqa: E402
 from layup_jax.algorithms import ddp  # noqa: E402
 from layup_jax.algorithms.base import init_model  # noqa: E402
-from layup_jax.runtime import LayUpRuntime  # noqa: E402
+from layup_jax.data.sharding import Batch  # noqa: E402
+from layup_jax.runtime import LayUpRuntime, local_update  # noqa: E402
+
+# Dense bf16 peak FLOP/s by device kind (vendor figures); CPUs have none, so no MFU there.
+PEAK_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA H100": 989e12,
+              "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
+              "NVIDIA A100 80GB PCIe": 312e12}
+
+CASES = {
+    "digits": {"data.batch_size": 16},
+    "resnet18-cifar": {"model.name": "resnet18", "model.num_classes": 100, "data.batch_size": 32,
+                       "input_size": 32},
+    "gpt2-tiny": {"model.name": "gpt2", "model.size": "tiny", "model.vocab_size": 256,
+                  "model.max_len": 128, "data.batch_size": 8, "seq_len": 128,
+                  "optimizer.name": "adamw"},
+    "gpt2-124m-bf16": {"model.name": "gpt2", "model.size": "gpt2", "model.dtype": "bfloat16",
+                       "model.max_len": 1024, "data.batch_size": 8, "seq_len": 1024,
+                       "optimizer.name": "adamw"},
+}
 
 
-def load_config(path: str, overrides: list[str]):
-  spec = importlib.util.spec_from_file_location("bench_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
-  for override in overrides:
-    key, value = override.split("=", 1)
-    target = config
-    *parents, leaf = key.split(".")
-    for parent in parents:
-      target = target[parent]
-    target[leaf] = value if isinstance(target[leaf], str) else ast.literal_eval(value)
-  return config
+def case_config(case: str):
+  config = base.get_config()
+  extras = {}
+  for key, value in CASES[case].items():
+    if "." not in key:
+      extras[key] = value
+      continue
+    section, name = key.split(".")
+    config[section][name] = value
+  return config, extras
+
+
+def synthetic_batches(config, extras, seed: int):
+  """Endless random batches of the model's input shape (the digits case reads the digits)."""
+  rng = np.random.default_rng(seed)
+  batch, model = config.data.batch_size, config.model
+  while True:
+    if model.name == "gpt2":
+      tokens = rng.integers(0, model.vocab_size, (batch, extras["seq_len"] + 1), dtype=np.int32)
+      yield Batch(tokens[:, :-1], tokens[:, 1:])
+    else:
+      size = extras["input_size"]
+      yield Batch(rng.normal(size=(batch, size, size, 3)).astype(np.float32),
+                  rng.integers(0, model.num_classes, batch).astype(np.int32))
+
+
+def flops_of(compiled) -> float:
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # older jax returns one dict per computation
+    analysis = analysis[0]
+  return float(analysis.get("flops", 0.0))
+
+
+def staged_flops(model, steps, update, params, state, opt_state, batch, key, iteration) -> float:
+  """FLOPs of one staged iteration: every stage function's compiled cost, summed."""
+  total = [0.0]
+
+  def counted(fn):
+    def call(*args):
+      total[0] += flops_of(fn.lower(*args).compile())
+      return fn(*args)
+    return call
+
+  counted_steps = stages.StageSteps(
+      forward=tuple(map(counted, steps.forward)), loss=counted(steps.loss),
+      backward=tuple(map(counted, steps.backward)),
+      add_tied={s: counted(f) for s, f in steps.add_tied.items()})
+  _, grads, _ = stages.staged_value_and_grad(model, counted_steps, params, state, batch.inputs,
+                                             batch.targets, key, iteration)
+  for s, stage_grads in enumerate(grads):
+    total[0] += flops_of(update.lower(params[s], opt_state[s], stage_grads).compile())
+  return total[0]
 
 
 def time_iterations(step, iters: int) -> float:
@@ -54,36 +113,38 @@ def time_iterations(step, iters: int) -> float:
   return (time.perf_counter() - start) / iters
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--config", default="configs/digits.py")
-  parser.add_argument("--set", nargs="*", default=[], help="overrides such as data.batch_size=32")
-  parser.add_argument("--repeats", type=int, default=7)
-  parser.add_argument("--iters", type=int, default=50)
-  parser.add_argument("--out", default="bench_step.json")
-  args = parser.parse_args()
-
-  config = load_config(args.config, args.set)
+def bench_case(case: str, repeats: int, iters: int) -> dict:
+  config, extras = case_config(case)
   device = jax.devices()[0]
-  dataset = data.make_dataset(config.data, 1, config.seed)
+  if case == "digits":
+    train = data.make_dataset(config.data, 1, config.seed).train[0]
+  else:
+    train = synthetic_batches(config, extras, config.seed)
+  example = next(train)
   model = models.make_model(config.model)
   tx = optim.make_optimizer(config.optimizer, 10_000)
-  params, state = init_model(model, dataset.example_batch, config.seed)
+  params, state = init_model(config, model, example)
 
-  layup = LayUpRuntime(model, tx, [device], dataset.train, params, state,
-                       dataset.example_batch, seed=config.seed)
+  layup = LayUpRuntime(model, tx, [device], [train], params, state, example, seed=config.seed)
   layup.compile()
+  replica = layup.replicas[0]
+  key = jax.device_put(jax.random.key(0), device)
+  iteration = jax.device_put(np.int32(0), device)
+  inputs = Batch(*jax.device_put((example.inputs, example.targets), device))
+  flops_staged = staged_flops(model, stages.make_stage_steps(model),
+                              jax.jit(functools.partial(local_update, tx)), replica.params,
+                              replica.state, replica.opt_state, inputs, key, iteration)
 
   fused_step = jax.jit(functools.partial(ddp.train_step, model, tx), donate_argnums=(0, 1, 2))
   fused = {"carry": jax.device_put((params, state, tx.init(params)), device), "i": 0}
-  key = jax.device_put(jax.random.key(0), device)
-  batches = dataset.train[0]
+  flops_fused = flops_of(fused_step.lower(*fused["carry"], inputs.inputs, inputs.targets, key,
+                                          iteration).compile())
 
   def fused_iteration():
-    batch = next(batches)
-    images, labels = jax.device_put((batch.inputs, batch.targets), device)
-    iteration = jax.device_put(np.int32(fused["i"]), device)
-    *carry, loss = fused_step(*fused["carry"], images, labels, key, iteration)
+    batch = next(train)
+    batch = Batch(*jax.device_put((batch.inputs, batch.targets), device))
+    step_idx = jax.device_put(np.int32(fused["i"]), device)
+    *carry, loss = fused_step(*fused["carry"], batch.inputs, batch.targets, key, step_idx)
     fused["carry"], fused["i"] = tuple(carry), fused["i"] + 1
     float(loss)
 
@@ -92,31 +153,48 @@ def main() -> None:
 
   for step in (staged_iteration, fused_iteration):  # compile and warm up
     time_iterations(step, 3)
-
   staged_times, fused_times = [], []
-  for _ in range(args.repeats):
-    staged_times.append(time_iterations(staged_iteration, args.iters))
-    fused_times.append(time_iterations(fused_iteration, args.iters))
-  staged_ms = 1e3 * statistics.median(staged_times)
-  fused_ms = 1e3 * statistics.median(fused_times)
-  ratios = [f / s for s, f in zip(staged_times, fused_times)]
-  result = {
-      "config": args.config, "overrides": args.set, "model": config.model.name,
-      "num_stages": model.num_stages, "batch_size": config.data.batch_size,
-      "device": str(device.device_kind), "platform": platform.platform(),
-      "jax": jax.__version__, "repeats": args.repeats, "iters_per_repeat": args.iters,
-      "staged_ms_median": staged_ms, "fused_ms_median": fused_ms,
-      "throughput_ratio_staged_over_fused_median": statistics.median(ratios),
-      "staged_ms_all": [1e3 * t for t in staged_times], "fused_ms_all": [1e3 * t for t in fused_times],
+  for _ in range(repeats):
+    staged_times.append(time_iterations(staged_iteration, iters))
+    fused_times.append(time_iterations(fused_iteration, iters))
+  staged_s, fused_s = statistics.median(staged_times), statistics.median(fused_times)
+  peak = PEAK_FLOPS.get(device.device_kind)
+  return {
+      "case": case, "model": config.model.name, "num_stages": model.num_stages,
+      "batch_size": config.data.batch_size, "device": device.device_kind,
+      "staged_ms_median": 1e3 * staged_s, "fused_ms_median": 1e3 * fused_s,
+      "throughput_ratio_staged_over_fused_median": statistics.median(
+          [f / s for s, f in zip(staged_times, fused_times)]),
+      "flops_staged": flops_staged, "flops_fused": flops_fused,
+      "mfu_staged": flops_staged / staged_s / peak if peak else None,
+      "mfu_fused": flops_fused / fused_s / peak if peak else None,
+      "staged_ms_all": [1e3 * t for t in staged_times],
+      "fused_ms_all": [1e3 * t for t in fused_times],
   }
-  print(f"{'step':<10}{'ms/iter (median)':>18}")
-  print(f"{'staged':<10}{staged_ms:>18.3f}")
-  print(f"{'fused':<10}{fused_ms:>18.3f}")
-  print(f"throughput staged/fused: {result['throughput_ratio_staged_over_fused_median']:.3f} "
-        f"(median of {args.repeats} side-by-side repeats; {model.num_stages} stages, "
-        f"batch {config.data.batch_size}, {device.device_kind})")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--cases", nargs="+", default=["digits", "resnet18-cifar", "gpt2-tiny"],
+                      choices=sorted(CASES))
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--out", default="bench_step.json")
+  args = parser.parse_args()
+
+  rows = [bench_case(case, args.repeats, args.iters) for case in args.cases]
+  mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"  # noqa: E731
+  print(f"{'case':<16}{'stages':>7}{'batch':>6}{'staged ms':>11}{'fused ms':>10}"
+        f"{'staged/fused':>14}{'GFLOP/it':>10}{'MFU st.':>9}{'MFU fu.':>9}")
+  for r in rows:
+    print(f"{r['case']:<16}{r['num_stages']:>7}{r['batch_size']:>6}{r['staged_ms_median']:>11.3f}"
+          f"{r['fused_ms_median']:>10.3f}{r['throughput_ratio_staged_over_fused_median']:>14.3f}"
+          f"{r['flops_fused'] / 1e9:>10.2f}{mfu(r['mfu_staged']):>9}{mfu(r['mfu_fused']):>9}")
+  print(f"(throughput ratio: median of {args.repeats} side-by-side repeats of {args.iters} "
+        f"iterations; {rows[0]['device']}; jax {jax.__version__})")
   with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
+    json.dump({"platform": platform.platform(), "jax": jax.__version__, "rows": rows}, f,
+              indent=2)
 
 
 if __name__ == "__main__":

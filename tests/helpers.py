@@ -37,7 +37,6 @@ def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_s
   import jax
   import optax
 
-  from layup_jax.algorithms.base import init_model
   from layup_jax.data import digits
   from layup_jax.data.sharding import Batch, ShardIterator
   from layup_jax.runtime import LayUpRuntime
@@ -46,7 +45,7 @@ def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_s
   train, _ = digits.load_digits(0.2)
   iterators = [ShardIterator(train, num_devices, i, batch_size, seed) for i in range(num_devices)]
   example = Batch(train.inputs[:batch_size], train.targets[:batch_size])
-  params, state = init_model(model, example, seed)
+  params, state = model.init(jax.random.key(seed), example.inputs)
   tx = optax.sgd(learning_rate, momentum=0.9)
   return LayUpRuntime(model, tx, jax.devices()[:num_devices], iterators, params, state, example,
                       seed=seed, **runtime_kwargs)

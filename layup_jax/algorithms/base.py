@@ -6,8 +6,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
+import ml_collections
 import numpy as np
 
+from layup_jax import models
 from layup_jax.data.sharding import Batch
 from layup_jax.stages import StagedModel
 
@@ -54,9 +56,15 @@ class Runtime(Protocol):
     """Stops and joins whatever the runtime started; safe to call twice."""
 
 
-def init_model(model: StagedModel, example_batch: Batch, seed: int):
-  """Per-stage params and state from the run's seed; every replica starts from these."""
-  return model.init(jax.random.key(seed), example_batch.inputs)
+def init_model(config: ml_collections.ConfigDict, model: StagedModel, example_batch: Batch):
+  """Per-stage params and state from the run's seed (or `config.model.pretrained` weights).
+
+  Every replica starts from these.
+  """
+  params, state = model.init(jax.random.key(config.seed), example_batch.inputs)
+  if config.model.pretrained:
+    params = models.load_pretrained(config.model, model, example_batch.inputs)
+  return params, state
 
 
 class IterationClock:

@@ -112,7 +112,7 @@ class DDPRuntime:
 def build(config: ml_collections.ConfigDict, model: StagedModel,
           tx: optax.GradientTransformation, devices: Sequence[jax.Device],
           dataset: Dataset) -> DDPRuntime:
-  params, state = init_model(model, dataset.example_batch, config.seed)
+  params, state = init_model(config, model, dataset.example_batch)
   delay = config.straggler.delay_iters if config.straggler.device >= 0 else 0.0
   return DDPRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,
                     seed=config.seed, straggler_delay_iters=delay)

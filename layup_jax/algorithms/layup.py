@@ -19,7 +19,7 @@ def build(
     devices: Sequence[jax.Device],
     dataset: Dataset,
 ) -> LayUpRuntime:
-  params, state = init_model(model, dataset.example_batch, config.seed)
+  params, state = init_model(config, model, dataset.example_batch)
   return LayUpRuntime(
       model, tx, devices, dataset.train, params, state, dataset.example_batch,
       seed=config.seed,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from layup_jax.models import gpt2, lstm, resnet
+from layup_jax.models import gpt2, gpt2_import, lstm, resnet
 from layup_jax.stages import StagedModel
 
 GRANULARITIES = ("per_block", "per_layer")
@@ -19,6 +19,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class ModelEntry:
   build: Callable[[ml_collections.ConfigDict], StagedModel]
   example_inputs: Callable[[ml_collections.ConfigDict, int], np.ndarray]  # config, batch
+  # (config, model, example inputs) -> per-stage params from config.pretrained, if supported
+  load_pretrained: Callable | None = None
 
 
 def _images(height: int, channels: int = 3):
@@ -50,7 +52,9 @@ _REGISTRY: dict[str, ModelEntry] = {
     "gpt2": ModelEntry(
         lambda c: gpt2.gpt2(c.size, c.vocab_size, c.max_len, c.dropout, DTYPES[c.dtype],
                             c.granularity),
-        _tokens),
+        _tokens,
+        lambda c, model, inputs: gpt2_import.load_gpt2_params(
+            model, inputs, c.pretrained, per_layer=c.granularity == "per_layer")),
     "lstm": ModelEntry(
         lambda c: StagedModel(lstm.lstm_classifier(c.vocab_size, c.hidden_size, c.num_layers,
                                                    c.num_classes)),
@@ -77,3 +81,13 @@ def make_model(config: ml_collections.ConfigDict) -> StagedModel:
 def example_inputs(config: ml_collections.ConfigDict, batch: int) -> np.ndarray:
   """A zero batch of the model's input shape, for shapes and parameter counts."""
   return _REGISTRY[config.name].example_inputs(config, batch)
+
+
+def supports_pretrained(name: str) -> bool:
+  return _REGISTRY[name].load_pretrained is not None
+
+
+def load_pretrained(config: ml_collections.ConfigDict, model: StagedModel,
+                    inputs: np.ndarray) -> list:
+  """Per-stage params read from `config.pretrained`."""
+  return _REGISTRY[config.name].load_pretrained(config, model, inputs)

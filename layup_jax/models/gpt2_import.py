@@ -1,0 +1,72 @@
+"""GPT-2 weights from a local Hugging Face style checkpoint directory (no downloads).
+
+The directory holds `model.safetensors` with the standard names (`transformer.h.N.attn.c_attn.weight`
+and so on; the `transformer.` prefix may be absent). Our parameter names follow the checkpoint,
+so the import is a rename: `weight` is Flax's `kernel`, `scale` or `embedding`, and block N's
+layers live in the stage(s) of layer N. GPT-2's Conv1D stores kernels as [in, out], as Flax's
+Dense does, so nothing is transposed. Every parameter must be found with its shape, and every
+tensor of the checkpoint must be used (buffers such as `attn.bias` and the tied `lm_head.weight`
+aside).
+"""
+
+import pathlib
+
+import jax
+import numpy as np
+
+from layup_jax.stages import StagedModel
+
+_RENAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "lm_head.weight")
+
+
+def _stage_prefixes(num_stages: int, per_layer: bool) -> list[str]:
+  """The checkpoint prefix of each stage: '' for embedding and head, 'h.N.' for layer N."""
+  blocks = num_stages - 2
+  layer = (lambda s: (s - 1) // 2) if per_layer else (lambda s: s - 1)
+  return [""] + [f"h.{layer(s)}." for s in range(1, blocks + 1)] + [""]
+
+
+def checkpoint_name(prefix: str, path: tuple[str, ...]) -> str:
+  return prefix + ".".join([*path[:-1], _RENAMES[path[-1]]])
+
+
+def read_checkpoint(directory: str | pathlib.Path) -> dict[str, np.ndarray]:
+  from safetensors.numpy import load_file
+
+  file = pathlib.Path(directory) / "model.safetensors"
+  if not file.is_file():
+    raise FileNotFoundError(
+        f"no GPT-2 checkpoint at {file}: config.model.pretrained must be a local directory "
+        "holding a Hugging Face style model.safetensors (nothing is downloaded)"
+    )
+  tensors = load_file(str(file))
+  return {name.removeprefix("transformer."): value for name, value in tensors.items()}
+
+
+def load_gpt2_params(model: StagedModel, example_tokens: np.ndarray, directory,
+                     per_layer: bool = False) -> list:
+  """Per-stage params of `model` filled from the checkpoint in `directory`."""
+  tensors = read_checkpoint(directory)
+  abstract, _ = jax.eval_shape(lambda: model.init(jax.random.key(0), example_tokens))
+  prefixes = _stage_prefixes(model.num_stages, per_layer)
+  used, params = set(), []
+  for prefix, stage in zip(prefixes, abstract):
+    def fill(path, leaf, prefix=prefix):
+      keys = tuple(getattr(k, "key", k) for k in path)
+      name = checkpoint_name(prefix, keys)
+      if name not in tensors:
+        raise ValueError(f"GPT-2 checkpoint {directory} has no tensor {name!r} "
+                         f"(expected shape {leaf.shape}); is config.model.size right?")
+      value = tensors[name]
+      if value.shape != leaf.shape:
+        raise ValueError(f"GPT-2 checkpoint tensor {name!r} has shape {value.shape}, the model "
+                         f"expects {leaf.shape}: check config.model.size, vocab_size and max_len")
+      used.add(name)
+      return np.asarray(value, leaf.dtype)
+    params.append(jax.tree_util.tree_map_with_path(fill, stage))
+  unused = sorted(n for n in set(tensors) - used if not n.endswith(_IGNORED_SUFFIXES))
+  if unused:
+    raise ValueError(f"GPT-2 checkpoint {directory} has tensors the model does not use, e.g. "
+                     f"{unused[:3]}: check config.model.size")
+  return params

@@ -1,0 +1,105 @@
+"""GPT-2 import: a checkpoint in the Hugging Face layout gives the logits of an independent NumPy
+forward pass of the same weights."""
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from configs import base
+from layup_jax import models
+from layup_jax.models import gpt2_import
+
+VOCAB, CTX, DIM, HEADS, LAYERS = 48, 16, 64, 4, 2  # the "tiny" size
+
+
+def write_checkpoint(directory, seed=0, prefix="transformer."):
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: (0.2 * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
+  tensors = {"wte.weight": normal(VOCAB, DIM), "wpe.weight": normal(CTX, DIM),
+             "ln_f.weight": 1 + normal(DIM), "ln_f.bias": normal(DIM)}
+  for i in range(LAYERS):
+    tensors.update({
+        f"h.{i}.ln_1.weight": 1 + normal(DIM), f"h.{i}.ln_1.bias": normal(DIM),
+        f"h.{i}.attn.c_attn.weight": normal(DIM, 3 * DIM), f"h.{i}.attn.c_attn.bias": normal(3 * DIM),
+        f"h.{i}.attn.c_proj.weight": normal(DIM, DIM), f"h.{i}.attn.c_proj.bias": normal(DIM),
+        f"h.{i}.ln_2.weight": 1 + normal(DIM), f"h.{i}.ln_2.bias": normal(DIM),
+        f"h.{i}.mlp.c_fc.weight": normal(DIM, 4 * DIM), f"h.{i}.mlp.c_fc.bias": normal(4 * DIM),
+        f"h.{i}.mlp.c_proj.weight": normal(4 * DIM, DIM), f"h.{i}.mlp.c_proj.bias": normal(DIM),
+        f"h.{i}.attn.bias": np.tril(np.ones((CTX, CTX), np.float32))[None, None],  # a buffer
+    })
+  save_file({prefix + k: v for k, v in tensors.items()}, str(directory / "model.safetensors"))
+  return tensors
+
+
+def numpy_gpt2_logits(t, tokens):
+  """GPT-2's forward pass written from the paper's description, in float64 NumPy."""
+  t = {k: v.astype(np.float64) for k, v in t.items()}
+
+  def layer_norm(x, name):
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + 1e-5) * t[name + ".weight"] + t[name + ".bias"]
+
+  def gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+  batch, length = tokens.shape
+  h = t["wte.weight"][tokens] + t["wpe.weight"][:length][None]  # [B, T, D]
+  causal = np.tril(np.ones((length, length), bool))
+  for i in range(LAYERS):
+    p = f"h.{i}."
+    x = layer_norm(h, p + "ln_1") @ t[p + "attn.c_attn.weight"] + t[p + "attn.c_attn.bias"]
+    q, k, v = np.split(x, 3, axis=-1)
+    split = lambda a: a.reshape(batch, length, HEADS, DIM // HEADS).transpose(0, 2, 1, 3)  # noqa: E731
+    q, k, v = split(q), split(k), split(v)  # [B, nh, T, hs]
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(DIM // HEADS)
+    scores = np.where(causal, scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    y = (weights @ v).transpose(0, 2, 1, 3).reshape(batch, length, DIM)
+    h = h + y @ t[p + "attn.c_proj.weight"] + t[p + "attn.c_proj.bias"]
+    x = gelu(layer_norm(h, p + "ln_2") @ t[p + "mlp.c_fc.weight"] + t[p + "mlp.c_fc.bias"])
+    h = h + x @ t[p + "mlp.c_proj.weight"] + t[p + "mlp.c_proj.bias"]
+  return layer_norm(h, "ln_f") @ t["wte.weight"].T
+
+
+def tiny_config(directory, granularity="per_block"):
+  config = base.get_config().model
+  config.update(dict(name="gpt2", size="tiny", vocab_size=VOCAB, max_len=CTX,
+                     granularity=granularity, pretrained=str(directory)))
+  return config
+
+
+@pytest.mark.parametrize("granularity", ["per_block", "per_layer"])
+@pytest.mark.parametrize("prefix", ["transformer.", ""])
+def test_imported_weights_give_the_numpy_logits(tmp_path, granularity, prefix):
+  tensors = write_checkpoint(tmp_path, prefix=prefix)
+  config = tiny_config(tmp_path, granularity)
+  model = models.make_model(config)
+  tokens = np.random.default_rng(1).integers(0, VOCAB, (3, 12)).astype(np.int32)
+  params = models.load_pretrained(config, model, tokens)
+  _, state = model.init(jax.random.key(0), tokens)
+  logits, _ = model.apply(params, state, tokens, jax.random.key(0), 0, train=False)
+  want = numpy_gpt2_logits(tensors, tokens)
+  np.testing.assert_allclose(np.asarray(logits), want, atol=1e-4, rtol=1e-4)
+  assert np.abs(want).max() > 1.0  # the comparison is not between two near-zero arrays
+
+
+def test_a_missing_checkpoint_and_a_wrong_size_say_so(tmp_path):
+  config = tiny_config(tmp_path / "nowhere")
+  model = models.make_model(config)
+  tokens = np.zeros((1, 4), np.int32)
+  with pytest.raises(FileNotFoundError, match="no GPT-2 checkpoint at .*nowhere/model.safetensors"):
+    models.load_pretrained(config, model, tokens)
+
+  write_checkpoint(tmp_path)
+  wrong = tiny_config(tmp_path)
+  wrong.vocab_size = VOCAB + 1
+  with pytest.raises(ValueError, match=r"'wte.weight' has shape \(48, 64\), the model expects "
+                                       r"\(49, 64\)"):
+    models.load_pretrained(wrong, models.make_model(wrong), tokens)
+
+  shallow = tiny_config(tmp_path)
+  model = models.make_model(shallow)
+  prefixes = gpt2_import._stage_prefixes(model.num_stages, per_layer=False)
+  assert prefixes == ["", "h.0.", "h.1.", ""]
