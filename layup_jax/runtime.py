@@ -36,7 +36,7 @@ import optax
 from layup_jax import pushsum
 from layup_jax.algorithms.base import IterationClock, Snapshot, mean_or_nan
 from layup_jax.data.sharding import Batch
-from layup_jax.stages import StagedModel, make_stage_steps, staged_pass, staged_value_and_grad
+from layup_jax.stages import StagedModel, make_stage_steps, stage_key, staged_pass
 
 PyTree = Any
 BN_POLICIES = ("mix", "local")
@@ -53,7 +53,7 @@ class Replica:
   params: list[PyTree]
   state: list[PyTree]
   opt_state: list[PyTree]
-  key: jax.Array
+  stage_keys: list[jax.Array]  # stages.stage_key of this replica's key, one per stage
   iteration: int = 0
 
 
@@ -143,7 +143,9 @@ class LayUpRuntime:
             params=list(jax.device_put(init_params, device)),
             state=list(jax.device_put(init_state, device)),
             opt_state=list(jax.device_put([tx.init(p) for p in init_params], device)),
-            key=jax.device_put(jax.random.fold_in(base_key, i), device),
+            stage_keys=jax.device_put(
+                [stage_key(jax.random.fold_in(base_key, i), s) for s in range(model.num_stages)],
+                device),
         )
         for i, device in enumerate(devices)
     ]
@@ -178,7 +180,7 @@ class LayUpRuntime:
     replica.iteration += 1
     return staged_pass(
         self._model, self._steps, lambda s: replica.params[s], replica.state, x, labels,
-        replica.key, iteration, emit, on_stage=lambda s: self._position.update({("compute", i): s}),
+        replica.stage_keys, iteration, emit, on_stage=lambda s: self._position.update({("compute", i): s}),
     )
 
   def _pick_peer(self, i: int) -> int | None:
@@ -228,10 +230,13 @@ class LayUpRuntime:
       inputs, targets = jax.device_put(example, replica.device)
       iteration = jax.device_put(np.int32(0), replica.device)
       share = jax.device_put(np.float32(0.5), replica.device)
-      outputs = list(staged_value_and_grad(self._model, self._steps, replica.params,
-                                           replica.state, inputs, targets, replica.key, iteration))
-      for s, grads in enumerate(outputs[1]):
-        outputs.append(self._update(replica.params[s], replica.opt_state[s], grads))
+      grads: list[PyTree] = [None] * self.num_stages
+      state = list(replica.state)  # the warm-up leaves the replica as it is
+      outputs = [staged_pass(self._model, self._steps, replica.params.__getitem__, state, inputs,
+                             targets, replica.stage_keys, iteration, grads.__setitem__),
+                 state, grads]
+      for s, stage_grads in enumerate(grads):
+        outputs.append(self._update(replica.params[s], replica.opt_state[s], stage_grads))
         outputs.append(self._merge(replica.params[s], replica.params[s], share))
         if replica.state[s]:
           outputs.append(self._merge(replica.state[s], replica.state[s], share))

@@ -30,9 +30,25 @@ def _accepts_train(module: nn.Module) -> bool:
   return "train" in inspect.signature(type(module).__call__).parameters
 
 
+def stage_key(key: jax.Array, stage_idx: int) -> jax.Array:
+  """A stage's own key, made once per replica so that stage functions need no stage index."""
+  return jax.random.fold_in(key, stage_idx)
+
+
 def stage_rng(key: jax.Array, iteration: jax.Array, stage_idx: int) -> jax.Array:
   """The dropout key of one stage in one iteration, the same in staged and fused steps."""
-  return jax.random.fold_in(jax.random.fold_in(key, iteration), stage_idx)
+  return jax.random.fold_in(stage_key(key, stage_idx), iteration)
+
+
+def apply_module(module: nn.Module, params: PyTree, state: PyTree, x: PyTree, rng: jax.Array,
+                 train: bool) -> tuple[PyTree, PyTree]:
+  """A module as a stage: `(params, state, x, rng, train) -> (y, new_state)`."""
+  kwargs = {"train": train} if _accepts_train(module) else {}
+  variables = {"params": params, **state}
+  if train and state:
+    y, new_state = module.apply(variables, x, rngs={"dropout": rng}, mutable=list(state), **kwargs)
+    return y, dict(new_state)
+  return module.apply(variables, x, rngs={"dropout": rng}, **kwargs), state
 
 
 def tree_get(tree: PyTree, path: Sequence[str]) -> PyTree:
@@ -120,15 +136,7 @@ class StagedModel:
       self, stage_idx: int, params: PyTree, state: PyTree, x: PyTree, rng: jax.Array, train: bool
   ) -> tuple[PyTree, PyTree]:
     """The stage as a pure function: `(params, state, x, rng, train) -> (y, new_state)`."""
-    module = self.modules[stage_idx]
-    kwargs = {"train": train} if _accepts_train(module) else {}
-    variables = {"params": params, **state}
-    if train and state:
-      y, new_state = module.apply(
-          variables, x, rngs={"dropout": rng}, mutable=list(state), **kwargs
-      )
-      return y, dict(new_state)
-    return module.apply(variables, x, rngs={"dropout": rng}, **kwargs), state
+    return apply_module(self.modules[stage_idx], params, state, x, rng, train)
 
   def loss_stage(
       self, params: PyTree, state: PyTree, x: PyTree, labels: jax.Array, rng: jax.Array
@@ -165,13 +173,15 @@ class StagedModel:
 class StageSteps:
   """The jitted per-stage functions of one model; jit caches one executable per device.
 
-  forward[s] (s < L-1): (params, state, x, key, iteration) -> (y, new_state, vjp)
-  loss:                 (params, state, x, labels, key, iteration)
+  forward[s] (s < L-1): (params, state, x, stage_key, iteration) -> (y, new_state, vjp)
+  loss:                 (params, state, x, labels, stage_key, iteration)
                         -> (loss, new_state, grads, dx)   (dx is None for a one-stage model)
   backward[s]:          (vjp, dy) -> (grads, dx); stage 0 returns (grads, None) so that XLA
                         drops the unused input gradient.
   add_tied[s]:          (grads, tied_grad) -> grads, for the owner stage of a tie.
-  A consumer stage's `x` and `dx` are `(activation, tied array)` pairs.
+  A consumer stage's `x` and `dx` are `(activation, tied array)` pairs. Stages whose modules are
+  equal (the repeated blocks of a ResNet or GPT-2) share one jitted function, so each compiles
+  once per device rather than once per stage.
   """
 
   forward: tuple[Callable, ...]
@@ -183,26 +193,34 @@ class StageSteps:
 def make_stage_steps(model: StagedModel) -> StageSteps:
   last = model.num_stages - 1
 
-  def make_forward(stage_idx):
+  forwards: dict[nn.Module, Callable] = {}
+
+  def shared_forward(module):
+    try:
+      if module not in forwards:
+        forwards[module] = make_forward(module)
+      return forwards[module]
+    except TypeError:  # an unhashable module (say, one holding a list) gets its own function
+      return make_forward(module)
+
+  def make_forward(module):
     def forward(params, state, x, key, iteration):
-      rng = stage_rng(key, iteration, stage_idx)
+      rng = jax.random.fold_in(key, iteration)
       y, vjp, new_state = jax.vjp(
-          lambda p, h: model.apply_stage(stage_idx, p, state, h, rng, True), params, x,
-          has_aux=True,
+          lambda p, h: apply_module(module, p, state, h, rng, True), params, x, has_aux=True
       )
       return y, new_state, vjp
 
     return jax.jit(forward)
 
-  def make_backward(stage_idx):
-    def backward(vjp, dy):
-      grads, dx = vjp(dy)
-      return grads, (None if stage_idx == 0 else dx)
+  def backward(vjp, dy):
+    return vjp(dy)
 
-    return jax.jit(backward)
+  def first_backward(vjp, dy):
+    return vjp(dy)[0], None  # XLA drops the unused input gradient
 
   def loss(params, state, x, labels, key, iteration):
-    rng = stage_rng(key, iteration, last)
+    rng = jax.random.fold_in(key, iteration)
     argnums = (0,) if last == 0 else (0, 1)
     (value, new_state), grads = jax.value_and_grad(
         lambda p, h: model.loss_stage(p, state, h, labels, rng), argnums=argnums, has_aux=True
@@ -212,10 +230,11 @@ def make_stage_steps(model: StagedModel) -> StageSteps:
   def make_add_tied(tie):
     return jax.jit(lambda grads, tied_grad: tree_add_at(grads, tie.path, tied_grad))
 
+  backward_jit, first_backward_jit = jax.jit(backward), jax.jit(first_backward)
   return StageSteps(
-      forward=tuple(make_forward(s) for s in range(last)),
+      forward=tuple(shared_forward(model.modules[s]) for s in range(last)),
       loss=jax.jit(loss),
-      backward=tuple(make_backward(s) for s in range(last)),
+      backward=tuple(first_backward_jit if s == 0 else backward_jit for s in range(last)),
       add_tied={tie.owner: make_add_tied(tie) for tie in model.ties},
   )
 
@@ -227,14 +246,14 @@ def staged_pass(
     state: list[PyTree],
     x: jax.Array,
     labels: jax.Array,
-    key: jax.Array,
+    stage_keys: Sequence[jax.Array],
     iteration: jax.Array,
     emit: Callable[[int, PyTree], None],
     on_stage: Callable[[int], None] = lambda stage_idx: None,
 ):
   """One forward and backward pass, dispatched stage by stage (paper Algorithm 1, compute side).
 
-  `read_params(s)` is called when stage s is dispatched, so a stage uses the freshest params;
+  `stage_keys[s]` is `stage_key(key, s)`. `read_params(s)` is called when stage s is dispatched, so a stage uses the freshest params;
   `state[s]` is replaced as soon as stage s's forward returns; `emit(s, grads)` is called as soon
   as stage s's gradient is dispatched, last stage first. Returns `(loss, grads of stage 0)`.
   """
@@ -243,12 +262,12 @@ def staged_pass(
   for s in range(last):
     on_stage(s)
     x_in = model.stage_input(s, x, read_params)
-    x, state[s], vjp = steps.forward[s](read_params(s), state[s], x_in, key, iteration)
+    x, state[s], vjp = steps.forward[s](read_params(s), state[s], x_in, stage_keys[s], iteration)
     vjps.append(vjp)
   on_stage(last)
   x_in = model.stage_input(last, x, read_params)
-  loss, state[last], grads, dx = steps.loss(read_params(last), state[last], x_in, labels, key,
-                                            iteration)
+  loss, state[last], grads, dx = steps.loss(read_params(last), state[last], x_in, labels,
+                                            stage_keys[last], iteration)
   tied_grads = {}
   for s in reversed(range(last + 1)):
     if s < last:
@@ -272,6 +291,7 @@ def staged_value_and_grad(model: StagedModel, steps: StageSteps, params, state, 
   `jax.grad` of the composed model, and the runtime's warm-up.
   """
   grads, new_state = [None] * model.num_stages, list(state)
-  loss, _ = staged_pass(model, steps, params.__getitem__, new_state, x, labels, key, iteration,
+  keys = [stage_key(key, s) for s in range(model.num_stages)]
+  loss, _ = staged_pass(model, steps, params.__getitem__, new_state, x, labels, keys, iteration,
                         grads.__setitem__)
   return loss, grads, new_state

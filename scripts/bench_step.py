@@ -106,6 +106,19 @@ def staged_flops(model, steps, update, params, state, opt_state, batch, key, ite
   return total[0]
 
 
+def transformer_flops(config, params, batch: int, seq_len: int) -> float | None:
+  """nanoGPT's estimate for GPT-2: (6 N + 12 L D T) FLOPs per token, N without `wpe`.
+
+  A cross-check on XLA's count, which leaves out work done in library calls (cuDNN, cuBLAS).
+  """
+  if config.model.name != "gpt2":
+    return None
+  leaves = jax.tree.leaves(params)
+  n = sum(leaf.size for leaf in leaves) - params[0]["wpe"]["embedding"].size
+  spec = models.gpt2.SIZES[config.model.size]
+  return batch * seq_len * (6 * n + 12 * spec.num_layers * spec.embed_dim * seq_len)
+
+
 def time_iterations(step, iters: int) -> float:
   start = time.perf_counter()
   for _ in range(iters):
@@ -159,6 +172,7 @@ def bench_case(case: str, repeats: int, iters: int) -> dict:
     fused_times.append(time_iterations(fused_iteration, iters))
   staged_s, fused_s = statistics.median(staged_times), statistics.median(fused_times)
   peak = PEAK_FLOPS.get(device.device_kind)
+  estimate = transformer_flops(config, params, config.data.batch_size, extras.get("seq_len", 0))
   return {
       "case": case, "model": config.model.name, "num_stages": model.num_stages,
       "batch_size": config.data.batch_size, "device": device.device_kind,
@@ -168,6 +182,9 @@ def bench_case(case: str, repeats: int, iters: int) -> dict:
       "flops_staged": flops_staged, "flops_fused": flops_fused,
       "mfu_staged": flops_staged / staged_s / peak if peak else None,
       "mfu_fused": flops_fused / fused_s / peak if peak else None,
+      "flops_estimate_6nt": estimate,
+      "mfu_estimate_staged": estimate / staged_s / peak if peak and estimate else None,
+      "mfu_estimate_fused": estimate / fused_s / peak if peak and estimate else None,
       "staged_ms_all": [1e3 * t for t in staged_times],
       "fused_ms_all": [1e3 * t for t in fused_times],
   }
@@ -190,8 +207,13 @@ def main() -> None:
     print(f"{r['case']:<16}{r['num_stages']:>7}{r['batch_size']:>6}{r['staged_ms_median']:>11.3f}"
           f"{r['fused_ms_median']:>10.3f}{r['throughput_ratio_staged_over_fused_median']:>14.3f}"
           f"{r['flops_fused'] / 1e9:>10.2f}{mfu(r['mfu_staged']):>9}{mfu(r['mfu_fused']):>9}")
+  for r in rows:
+    if r["flops_estimate_6nt"]:
+      print(f"{r['case']}: 6NT estimate {r['flops_estimate_6nt'] / 1e9:.0f} GFLOP/it, MFU staged "
+            f"{mfu(r['mfu_estimate_staged'])}, fused {mfu(r['mfu_estimate_fused'])}")
   print(f"(throughput ratio: median of {args.repeats} side-by-side repeats of {args.iters} "
-        f"iterations; {rows[0]['device']}; jax {jax.__version__})")
+        f"iterations; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs leave out "
+        f"library calls such as cuDNN convolutions)")
   with open(args.out, "w") as f:
     json.dump({"platform": platform.platform(), "jax": jax.__version__, "rows": rows}, f,
               indent=2)

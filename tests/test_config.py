@@ -30,6 +30,15 @@ def test_a_key_that_is_not_in_the_schema_is_unknown(tiny_config):
     validate_config(tiny_config, 8)
 
 
+def test_pretrained_weights_need_a_model_that_imports_them_and_a_checkpoint(tiny_config, tmp_path):
+  tiny_config.model.pretrained = str(tmp_path)
+  with pytest.raises(ConfigError, match=r"model 'digits_resnet' has no weight import"):
+    validate_config(tiny_config, 8)
+  tiny_config.model.name = "gpt2"
+  with pytest.raises(ConfigError, match=r"no model.safetensors in that directory"):
+    validate_config(tiny_config, 8)
+
+
 def test_the_default_config_is_valid(tiny_config):
   validate_config(tiny_config, 8)
 

@@ -37,7 +37,8 @@ def test_a_run_writes_metrics_and_summary_and_learns(tiny_config, tmp_path, algo
 def test_ctrl_c_stops_every_thread_within_seconds(tmp_path):
   process = subprocess.Popen(
       [sys.executable, "-m", "layup_jax.train", "--config", "configs/digits.py",
-       "--config.model.widths=(4,8,8)", "--config.num_steps=100000", "--config.eval_every=0",
+       "--config.model.widths=(4,8,8)", "--config.num_devices=2", "--config.num_steps=100000",
+       "--config.eval_every=0",
        f"--workdir={tmp_path}"],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
   )

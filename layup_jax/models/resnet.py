@@ -129,7 +129,7 @@ def resnet(
     for block_idx in range(count):
       strides = 2 if width_idx > 0 and block_idx == 0 else 1
       parts = make_block(width, strides)
-      modules.extend(parts if granularity == "per_layer" else [Chain(parts)])
+      modules.extend(parts if granularity == "per_layer" else [Chain(tuple(parts))])
   modules.append(Head(num_classes))
   return modules
 
