@@ -13,7 +13,7 @@ def test_readme_opens_with_the_two_commands():
   first_block = re.search(r"```bash\n(.*?)```", README, re.S).group(1).strip().splitlines()
   assert len(first_block) == 2
   assert "python -m layup_jax.train --config configs/digits.py" in first_block[0]
-  assert first_block[1].endswith("python -m pytest -q tests")
+  assert first_block[1].endswith("python -m pytest -q -n 2 tests")
   assert "grep -m1 -E '^python3 -m venv .*pytest' README.md" in (ROOT / ".ci/run").read_text()
 
 
