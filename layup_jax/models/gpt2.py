@@ -107,42 +107,25 @@ def _mlp_branch(h, num_layers, dropout, dtype, train):
 
 
 class Block(nn.Module):
-  """One transformer block as one stage (per_block granularity)."""
+  """A transformer block, or one half of it, as one stage.
+
+  `halves=("attn", "mlp")` is the whole block (per_block granularity); per_layer granularity
+  makes one stage of `("attn",)` and one of `("mlp",)`.
+  """
 
   num_heads: int
   num_layers: int
   dropout: float
   dtype: jnp.dtype
+  halves: tuple[str, ...] = ("attn", "mlp")
 
   @nn.compact
   def __call__(self, h: jax.Array, train: bool) -> jax.Array:
-    h = _attention_branch(h, self.num_heads, self.num_layers, self.dropout, self.dtype, train)
-    return _mlp_branch(h, self.num_layers, self.dropout, self.dtype, train)
-
-
-class AttentionHalf(nn.Module):
-  """The attention half of a block as one stage (per_layer granularity)."""
-
-  num_heads: int
-  num_layers: int
-  dropout: float
-  dtype: jnp.dtype
-
-  @nn.compact
-  def __call__(self, h: jax.Array, train: bool) -> jax.Array:
-    return _attention_branch(h, self.num_heads, self.num_layers, self.dropout, self.dtype, train)
-
-
-class MLPHalf(nn.Module):
-  """The MLP half of a block as one stage (per_layer granularity)."""
-
-  num_layers: int
-  dropout: float
-  dtype: jnp.dtype
-
-  @nn.compact
-  def __call__(self, h: jax.Array, train: bool) -> jax.Array:
-    return _mlp_branch(h, self.num_layers, self.dropout, self.dtype, train)
+    if "attn" in self.halves:
+      h = _attention_branch(h, self.num_heads, self.num_layers, self.dropout, self.dtype, train)
+    if "mlp" in self.halves:
+      h = _mlp_branch(h, self.num_layers, self.dropout, self.dtype, train)
+    return h
 
 
 class Head(nn.Module):
@@ -161,13 +144,9 @@ def gpt2(size: str, vocab_size: int, max_len: int, dropout: float = 0.0,
          dtype: jnp.dtype = jnp.float32, granularity: str = "per_block") -> StagedModel:
   """The staged GPT-2 of a named size; `Tie` shares `wte` between stage 0 and the head."""
   spec = SIZES[size]
-  blocks: list[nn.Module] = []
-  for _ in range(spec.num_layers):
-    if granularity == "per_layer":
-      blocks += [AttentionHalf(spec.num_heads, spec.num_layers, dropout, dtype),
-                 MLPHalf(spec.num_layers, dropout, dtype)]
-    else:
-      blocks.append(Block(spec.num_heads, spec.num_layers, dropout, dtype))
+  halves = [("attn",), ("mlp",)] if granularity == "per_layer" else [("attn", "mlp")]
+  blocks = [Block(spec.num_heads, spec.num_layers, dropout, dtype, half)
+            for _ in range(spec.num_layers) for half in halves]
   modules = [Embedding(vocab_size, max_len, spec.embed_dim, dropout, dtype), *blocks, Head(dtype)]
   tie = Tie(owner=0, consumer=len(modules) - 1, path=("wte", "embedding"))
   return StagedModel(modules, ties=(tie,))
