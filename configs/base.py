@@ -19,9 +19,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.num_classes = 10
   config.model.widths = (16, 32, 64)  # digits_resnet: channels of its three widths
   config.model.blocks_per_stage = 1  # digits_resnet: basic blocks per width
-  config.model.variant = "cifar"  # ResNets: "cifar" (3x3 stem) or "imagenet" (7x7 stem, max-pool)
+  config.model.variant = "cifar"  # ResNets: "cifar" (3x3 stem) or "imagenet" (7x7, max-pool)
   config.model.size = "gpt2"  # GPT-2: "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"
-  config.model.granularity = "per_block"  # stages: "per_block" or "per_layer" (finer, more dispatch)
+  config.model.granularity = "per_block"  # "per_block" or "per_layer" (finer stages)
   config.model.dtype = "float32"  # compute dtype, "float32" or "bfloat16" (params stay float32)
   config.model.dropout = 0.0  # GPT-2 dropout rate
   config.model.vocab_size = 50257  # token models: vocabulary size

@@ -22,7 +22,8 @@ def make_schedule(config: ml_collections.ConfigDict, num_steps: int) -> optax.Sc
   return optax.join_schedules([ramp, main], [warmup])
 
 
-def make_optimizer(config: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
+def make_optimizer(config: ml_collections.ConfigDict,
+                   num_steps: int) -> optax.GradientTransformation:
   schedule = make_schedule(config, num_steps)
   if config.name == "sgd":
     return optax.chain(

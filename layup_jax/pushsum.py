@@ -17,7 +17,7 @@ PyTree = object
 
 
 def merge(receiver: PyTree, sent: PyTree, receiver_share: jax.Array) -> PyTree:
-  """`receiver_share * receiver + (1 - receiver_share) * sent`, leaf by leaf, in the leaves' dtype."""
+  """`receiver_share * receiver + (1 - receiver_share) * sent`, leaf by leaf, in their dtype."""
   mixed = optax.tree.add_scale(sent, receiver_share, optax.tree.sub(receiver, sent))
   return optax.tree.cast_like(mixed, receiver)
 

@@ -178,10 +178,11 @@ class LayUpRuntime:
     x, labels = jax.device_put((batch.inputs, batch.targets), replica.device)
     iteration = jax.device_put(np.int32(replica.iteration), replica.device)
     replica.iteration += 1
-    return staged_pass(
-        self._model, self._steps, lambda s: replica.params[s], replica.state, x, labels,
-        replica.stage_keys, iteration, emit, on_stage=lambda s: self._position.update({("compute", i): s}),
-    )
+    def at_stage(stage_idx: int) -> None:
+      self._position["compute", i] = stage_idx
+
+    return staged_pass(self._model, self._steps, lambda s: replica.params[s], replica.state, x,
+                       labels, replica.stage_keys, iteration, emit, on_stage=at_stage)
 
   def _pick_peer(self, i: int) -> int | None:
     if self.num_devices == 1:

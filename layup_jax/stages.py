@@ -103,6 +103,8 @@ class StagedModel:
         raise ValueError(f"{tie}: the owner stage must come before the consumer stage")
     if len({tie.consumer for tie in self.ties}) < len(self.ties):
       raise ValueError("a stage can consume at most one tied array")
+    if len({tie.owner for tie in self.ties}) < len(self.ties):
+      raise ValueError("a stage can own at most one tied array")
 
   def tie_of(self, stage_idx: int) -> Tie | None:
     """The tie whose consumer is `stage_idx`, if any."""
@@ -159,7 +161,8 @@ class StagedModel:
     for stage_idx in range(self.num_stages):
       rng = stage_rng(key, iteration, stage_idx)
       x = self.stage_input(stage_idx, x, params.__getitem__)
-      x, stage_state = self.apply_stage(stage_idx, params[stage_idx], state[stage_idx], x, rng, train)
+      x, stage_state = self.apply_stage(stage_idx, params[stage_idx], state[stage_idx], x, rng,
+                                        train)
       new_state.append(stage_state)
     return x, new_state
 
@@ -253,9 +256,10 @@ def staged_pass(
 ):
   """One forward and backward pass, dispatched stage by stage (paper Algorithm 1, compute side).
 
-  `stage_keys[s]` is `stage_key(key, s)`. `read_params(s)` is called when stage s is dispatched, so a stage uses the freshest params;
+  `read_params(s)` is called when stage s is dispatched, so a stage uses the freshest params;
   `state[s]` is replaced as soon as stage s's forward returns; `emit(s, grads)` is called as soon
-  as stage s's gradient is dispatched, last stage first. Returns `(loss, grads of stage 0)`.
+  as stage s's gradient is dispatched, last stage first; `stage_keys[s]` is `stage_key(key, s)`.
+  Returns `(loss, grads of stage 0)`.
   """
   last = model.num_stages - 1
   vjps = []
@@ -288,7 +292,7 @@ def staged_value_and_grad(model: StagedModel, steps: StageSteps, params, state, 
   """One staged forward and backward pass on fixed params, on the calling thread.
 
   Returns `(loss, grads per stage, new state per stage)`: the reference that tests compare with
-  `jax.grad` of the composed model, and the runtime's warm-up.
+  `jax.grad` of the composed model.
   """
   grads, new_state = [None] * model.num_stages, list(state)
   keys = [stage_key(key, s) for s in range(model.num_stages)]

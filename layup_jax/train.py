@@ -1,4 +1,7 @@
-"""Command line: `python -m layup_jax.train --config configs/<name>.py [--config.key=value] --workdir DIR`."""
+"""Command line: flags -> `runner.run(config, workdir)`.
+
+  python -m layup_jax.train --config configs/<name>.py [--config.key=value] --workdir DIR
+"""
 
 import os
 import sys

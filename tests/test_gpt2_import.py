@@ -21,7 +21,8 @@ def write_checkpoint(directory, seed=0, prefix="transformer."):
   for i in range(LAYERS):
     tensors.update({
         f"h.{i}.ln_1.weight": 1 + normal(DIM), f"h.{i}.ln_1.bias": normal(DIM),
-        f"h.{i}.attn.c_attn.weight": normal(DIM, 3 * DIM), f"h.{i}.attn.c_attn.bias": normal(3 * DIM),
+        f"h.{i}.attn.c_attn.weight": normal(DIM, 3 * DIM),
+        f"h.{i}.attn.c_attn.bias": normal(3 * DIM),
         f"h.{i}.attn.c_proj.weight": normal(DIM, DIM), f"h.{i}.attn.c_proj.bias": normal(DIM),
         f"h.{i}.ln_2.weight": 1 + normal(DIM), f"h.{i}.ln_2.bias": normal(DIM),
         f"h.{i}.mlp.c_fc.weight": normal(DIM, 4 * DIM), f"h.{i}.mlp.c_fc.bias": normal(4 * DIM),

@@ -1,4 +1,4 @@
-"""The paper's models as staged Flax models: counts, staged gradients, LayUp and DDP steps, tying."""
+"""The paper's models as staged Flax models: counts, gradients, LayUp and DDP steps, tying."""
 
 import math
 

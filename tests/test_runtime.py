@@ -19,11 +19,10 @@ def _perturb_replicas(runtime, scale=0.5):
   """Gives every replica different parameters, as after some local steps."""
   for i, replica in enumerate(runtime.replicas):
     rng = np.random.default_rng(100 + i)
-    replica.params = [
-        jax.tree.map(lambda p: p + jax.device_put(
-            scale * rng.normal(size=p.shape).astype(np.float32), replica.device), stage)
-        for stage in replica.params
-    ]
+    noise = lambda p, rng=rng, device=replica.device: jax.device_put(  # noqa: E731
+        scale * rng.normal(size=p.shape).astype(np.float32), device)
+    replica.params = [jax.tree.map(lambda p, noise=noise: p + noise(p), stage)
+                      for stage in replica.params]
 
 
 def _mass(runtime):

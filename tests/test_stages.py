@@ -1,4 +1,4 @@
-"""Chained per-stage VJPs equal `jax.grad` of the composed model, BatchNorm in train mode included."""
+"""Chained per-stage VJPs equal `jax.grad` of the composed model, BatchNorm in train mode too."""
 
 import chex
 import jax

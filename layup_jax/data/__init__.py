@@ -1,10 +1,9 @@
-"""Datasets by name: each builder turns `config.data` into per-device train iterators and a test set."""
+"""Datasets by name: each builder makes per-device train iterators and a test set."""
 
 import dataclasses
 from collections.abc import Callable
 
 import ml_collections
-import numpy as np
 
 from layup_jax.data import digits
 from layup_jax.data.sharding import ArraySplit, Batch, EvalBatch, ShardIterator, eval_batches
@@ -24,9 +23,11 @@ class Dataset:
     return self.train[0].batches_per_epoch()
 
 
-def _in_memory(train: ArraySplit, test: ArraySplit, config, num_devices: int, seed: int) -> Dataset:
+def _in_memory(train: ArraySplit, test: ArraySplit, config, num_devices: int,
+               seed: int) -> Dataset:
   iterators = [
-      ShardIterator(train, num_devices, shard, config.batch_size, seed) for shard in range(num_devices)
+      ShardIterator(train, num_devices, shard, config.batch_size, seed)
+      for shard in range(num_devices)
   ]
   return Dataset(
       train=iterators,

@@ -28,7 +28,8 @@ class EvalBatch:
   mask: np.ndarray  # 1 for real samples, 0 for padding of the last batch
 
 
-def shard_indices(num_samples: int, num_shards: int, shard: int, seed: int, epoch: int) -> np.ndarray:
+def shard_indices(num_samples: int, num_shards: int, shard: int, seed: int,
+                  epoch: int) -> np.ndarray:
   """Sample indices of one shard for one epoch.
 
   All shards draw the same permutation of the epoch and take disjoint contiguous slices of it, so
