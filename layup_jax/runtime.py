@@ -178,6 +178,7 @@ class LayUpRuntime:
     x, labels = jax.device_put((batch.inputs, batch.targets), replica.device)
     iteration = jax.device_put(np.int32(replica.iteration), replica.device)
     replica.iteration += 1
+
     def at_stage(stage_idx: int) -> None:
       self._position["compute", i] = stage_idx
 

@@ -1,12 +1,12 @@
 """GPT-2 weights from a local Hugging Face style checkpoint directory (no downloads).
 
 The directory holds `model.safetensors` with the standard names
-(`transformer.h.N.attn.c_attn.weight` and so on; the `transformer.` prefix may be absent).
-Our parameter names follow the checkpoint, so the import is a rename: `weight` is Flax's
-`kernel`, `scale` or `embedding`, and block N's layers live in the stage(s) of layer N. GPT-2's Conv1D stores kernels as [in, out], as Flax's
-Dense does, so nothing is transposed. Every parameter must be found with its shape, and every
-tensor of the checkpoint must be used (buffers such as `attn.bias` and the tied `lm_head.weight`
-aside).
+(`transformer.h.N.attn.c_attn.weight` and so on; the `transformer.` prefix may be absent). Our
+parameter names follow the checkpoint, so the import is a rename: `weight` is Flax's `kernel`,
+`scale` or `embedding`, and block N's layers live in the stage(s) of layer N. GPT-2's Conv1D stores
+kernels as [in, out], as Flax's Dense does, so nothing is transposed. Every parameter must be found
+with its shape, and every tensor of the checkpoint must be used (buffers such as `attn.bias` and
+the tied `lm_head.weight` aside).
 """
 
 import pathlib
