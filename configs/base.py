@@ -31,9 +31,26 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.pretrained = ""  # GPT-2: local Hugging Face style directory with model.safetensors
 
   config.data = ml_collections.ConfigDict()
-  config.data.name = "digits"  # a name in layup_jax.data.names()
+  config.data.name = "digits"  # a name in layup_jax.data.names() (table in layup_jax/data)
   config.data.batch_size = 16  # samples per device per iteration (DDP's global batch is M times it)
-  config.data.test_fraction = 0.2  # share of the data held out as the fixed test split
+  config.data.test_fraction = 0.2  # digits, text_files: share held out as the fixed test split
+  config.data.data_dir = ""  # TFDS data dir with prepared datasets; "" = $TFDS_DATA_DIR or
+  #                            ~/tensorflow_datasets. Nothing is downloaded at run time.
+  config.data.tfds_name = ""  # TFDS name to read instead of the dataset's default
+  config.data.train_split = ""  # TFDS split for training ("" = the dataset's, e.g. "train")
+  config.data.test_split = ""  # TFDS split for evaluation ("" = the dataset's, e.g. "test")
+  config.data.image_size = 224  # imagenet2012: training crop and evaluation center crop
+  config.data.eval_resize = 256  # imagenet2012: short side before the evaluation center crop
+  config.data.seq_len = 1024  # text: tokens per sample (LM context length; IMDb review length)
+  config.data.tokenizer = ""  # text: folder with GPT-2 tokenizer.json (or vocab.json, merges.txt);
+  #                             "" = byte-level tokens (vocabulary 257)
+  config.data.text_dir = ""  # text_files: folder of text files
+  config.data.text_glob = "**/*.txt"  # text_files: which files under text_dir
+  config.data.token_cache_dir = "~/.cache/layup_jax/tokens"  # tokenized corpora; "" = no cache
+  config.data.read_threads = 2  # host threads per device reading and augmenting batches
+  config.data.prefetch = 4  # batches per device read ahead of the compute thread
+  config.data.eval_batch_size = 256  # samples per evaluation batch
+  config.data.max_eval_batches = 0  # evaluate on the first N test batches; 0 = the whole split
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.name = "sgd"  # "sgd" (with momentum), "adam" or "adamw"
@@ -46,6 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.eps = 1e-8  # Adam epsilon
   config.optimizer.schedule = "cosine"  # "constant", "cosine" (to zero) or "linear" (to zero)
   config.optimizer.warmup_steps = 0  # linear warm-up steps before the schedule
+  config.optimizer.warmup_epochs = 0.0  # warm-up in epochs instead (used when warmup_steps is 0)
   config.optimizer.warmup_init_lr = 0.0  # learning rate at the first warm-up step
 
   config.num_steps = 0  # training steps; 0 means num_epochs * steps per epoch
@@ -65,3 +83,26 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.progress_bar = True  # tqdm bar on stderr while training
   return config
+
+
+def set_values(config: ml_collections.ConfigDict, values: dict) -> ml_collections.ConfigDict:
+  """Sets dotted keys (`"optimizer.learning_rate": 0.1`) in place; returns the config."""
+  for key, value in values.items():
+    *path, name = key.split(".")
+    section = config
+    for part in path:
+      section = section[part]
+    section[name] = value
+  return config
+
+
+def paper_config(config: ml_collections.ConfigDict, paper: dict[str, dict],
+                 algorithm: str | None) -> ml_collections.ConfigDict:
+  """`config` with the paper's hyper-parameters for `algorithm` (the column of its appendix
+  table); `--config configs/<experiment>.py:ddp` picks DDP's column."""
+  algorithm = algorithm or "layup"
+  if algorithm not in paper:
+    raise ValueError(f"this experiment has the paper's hyper-parameters for {sorted(paper)}, "
+                     f"not {algorithm!r}")
+  config.algorithm = algorithm
+  return set_values(config, paper[algorithm])

@@ -9,11 +9,8 @@ import ml_collections
 
 from configs import base
 from layup_jax import algorithms, data, models, optim, runtime
+from layup_jax.errors import ConfigError
 from layup_jax.models import gpt2
-
-
-class ConfigError(ValueError):
-  """A config value a user can fix; the message names the key."""
 
 
 def _unknown_keys(config: ml_collections.ConfigDict, schema: ml_collections.ConfigDict,
@@ -83,7 +80,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   )
   checks: list[tuple[str, float]] = [
       ("data.batch_size", 1), ("optimizer.learning_rate", 0), ("optimizer.momentum", 0),
-      ("optimizer.weight_decay", 0), ("optimizer.warmup_steps", 0),
+      ("optimizer.weight_decay", 0), ("optimizer.warmup_steps", 0), ("optimizer.warmup_epochs", 0),
       ("optimizer.warmup_init_lr", 0), ("num_steps", 0), ("num_epochs", 0), ("eval_every", 0),
       ("layup.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
       ("model.num_classes", 1), ("model.vocab_size", 1), ("model.max_len", 1),
@@ -100,13 +97,31 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
            "must be > 0 when num_epochs is 0")
   _require(config.straggler.device < num_devices, "straggler.device", config.straggler.device,
            f"must name one of the {num_devices} training devices (or -1 for none)")
+  for key in ("data.seq_len", "data.image_size", "data.eval_resize", "data.prefetch",
+              "data.eval_batch_size"):
+    _at_least(config, key, 1)
+  _at_least(config, "data.read_threads", 0)
+  _at_least(config, "data.max_eval_batches", 0)
+  _require(config.data.eval_resize >= config.data.image_size, "data.eval_resize",
+           config.data.eval_resize, f"must be >= data.image_size={config.data.image_size}")
+  if config.data.tokenizer:
+    _require(pathlib.Path(config.data.tokenizer).expanduser().is_dir(), "data.tokenizer",
+             config.data.tokenizer, "is not a directory (it holds the tokenizer files)")
+  _check_text_model(config)
 
-  shard = data.num_train_samples(config.data) // num_devices
-  _require(
-      config.data.batch_size <= shard, "data.batch_size", config.data.batch_size,
-      f"each of the {num_devices} devices has only {shard} training samples per epoch; "
-      f"use a batch size <= {shard} or fewer devices",
-  )
+
+def _check_text_model(config: ml_collections.ConfigDict) -> None:
+  """Token datasets need a model whose vocabulary holds every token and whose context fits."""
+  vocab = data.token_vocab_size(config.data)
+  if vocab is None:
+    return
+  _require(config.model.name in ("gpt2", "lstm"), "model.name", config.model.name,
+           f"data.name={config.data.name!r} gives token sequences; use gpt2 or lstm")
+  _require(config.model.vocab_size >= vocab, "model.vocab_size", config.model.vocab_size,
+           f"the tokenizer of data.tokenizer={config.data.tokenizer!r} has {vocab} tokens")
+  if config.model.name == "gpt2":
+    _require(config.data.seq_len <= config.model.max_len, "data.seq_len", config.data.seq_len,
+             f"must be <= model.max_len={config.model.max_len} (GPT-2's learned positions)")
 
 
 def resolve_num_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:

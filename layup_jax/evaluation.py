@@ -1,6 +1,6 @@
 """Test metrics of the push-sum consensus model, of device 0's own model, and their disagreement."""
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +18,11 @@ def _consensus_and_distance(params, state, weights, state_weights):
 
 
 class Evaluator:
-  """Evaluates snapshots on one device; the test set is put there once."""
+  """Evaluates snapshots on one device, reading the test set again for each model evaluated
+  (a test set need not fit in device memory)."""
 
-  def __init__(self, model: StagedModel, test: Sequence[EvalBatch], device: jax.Device):
-    self._device = device
-    self._batches = [jax.device_put((b.inputs, b.targets, b.mask), device) for b in test]
-    self._num_samples = float(sum(b.mask.sum() for b in test))
+  def __init__(self, model: StagedModel, test: Iterable[EvalBatch], device: jax.Device):
+    self._device, self._test = device, test
     key = jax.device_put(jax.random.key(0), device)
     iteration = jax.device_put(np.int32(0), device)
 
@@ -33,16 +32,20 @@ class Evaluator:
       log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
       nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
       correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
-      per_sample = lambda v: v.reshape(v.shape[0], -1).mean(axis=1)  # noqa: E731
+      per_sample = lambda v: v.reshape(v.shape[0], -1).mean(axis=1)
       return jnp.sum(per_sample(nll) * mask), jnp.sum(per_sample(correct) * mask)
 
     self._sums = jax.jit(sums)
     self._consensus = jax.jit(_consensus_and_distance)
 
   def _loss_and_accuracy(self, params, state) -> tuple[float, float]:
-    totals = [self._sums(params, state, *batch) for batch in self._batches]
+    totals, num_samples = [], 0.0
+    for batch in self._test:
+      arrays = jax.device_put((batch.inputs, batch.targets, batch.mask), self._device)
+      totals.append(self._sums(params, state, *arrays))
+      num_samples += float(batch.mask.sum())
     loss, correct = np.sum(np.asarray(jax.device_get(totals)), axis=0)
-    return float(loss / self._num_samples), float(correct / self._num_samples)
+    return float(loss / num_samples), float(correct / num_samples)
 
   def evaluate(self, snapshot: Snapshot) -> dict[str, float]:
     params, state = jax.device_put((snapshot.params, snapshot.state), self._device)

@@ -4,12 +4,18 @@ import ml_collections
 import optax
 
 
-def make_schedule(config: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
+def warmup_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
+  """`warmup_steps`, or `warmup_epochs` of each device's shard when `warmup_steps` is 0."""
+  return config.warmup_steps or round(config.warmup_epochs * steps_per_epoch)
+
+
+def make_schedule(config: ml_collections.ConfigDict, num_steps: int,
+                  steps_per_epoch: int = 0) -> optax.Schedule:
   """Linear warm-up from `warmup_init_lr` to `learning_rate`, then constant, cosine or linear decay.
 
   Under LayUp each device counts its own local steps, so the schedule advances per device.
   """
-  peak, warmup = config.learning_rate, config.warmup_steps
+  peak, warmup = config.learning_rate, warmup_steps(config, steps_per_epoch)
   decay_steps = max(num_steps - warmup, 1)
   main = {
       "constant": optax.constant_schedule(peak),
@@ -22,9 +28,9 @@ def make_schedule(config: ml_collections.ConfigDict, num_steps: int) -> optax.Sc
   return optax.join_schedules([ramp, main], [warmup])
 
 
-def make_optimizer(config: ml_collections.ConfigDict,
-                   num_steps: int) -> optax.GradientTransformation:
-  schedule = make_schedule(config, num_steps)
+def make_optimizer(config: ml_collections.ConfigDict, num_steps: int,
+                   steps_per_epoch: int = 0) -> optax.GradientTransformation:
+  schedule = make_schedule(config, num_steps, steps_per_epoch)
   if config.name == "sgd":
     return optax.chain(
         optax.add_decayed_weights(config.weight_decay),

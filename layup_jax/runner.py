@@ -4,6 +4,7 @@ The only orchestrator: it never looks at which algorithm runs; each one is a `Ru
 """
 
 import dataclasses
+import math
 import pathlib
 import sys
 import time
@@ -46,7 +47,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[
   dataset = data.make_dataset(config.data, num_devices, config.seed)
   model = models.make_model(config.model)
   num_steps = resolve_num_steps(config, dataset.steps_per_epoch)
-  tx = optim.make_optimizer(config.optimizer, num_steps)
+  tx = optim.make_optimizer(config.optimizer, num_steps, dataset.steps_per_epoch)
   runtime = algorithms.build_runtime(config, model, tx, devices, dataset)
   evaluator = Evaluator(model, dataset.test, devices[0])
   writer = MetricsWriter(workdir)
@@ -60,6 +61,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[
                     "samples_per_s": runtime.iterations_done() * config.data.batch_size
                     / max(train_time, 1e-9)})
     record = {**common, "split": "test", **evaluator.evaluate(runtime.snapshot())}
+    if dataset.kind == "language_model":  # accuracy is next-token accuracy
+      record["perplexity"] = math.exp(min(record["loss"], 50.0))
     writer.write(record)
     return record
 
@@ -86,6 +89,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[
       "final_eval_accuracy": record["accuracy"],
       "final_eval_loss": record["loss"],
       "final_device0_accuracy": record["device0_accuracy"],
+      **({"final_eval_perplexity": record["perplexity"]} if "perplexity" in record else {}),
       "consensus_distance": record["consensus_distance"],
       "weight_sum": record["weight_sum"],
       "wall_time_s": train_time,

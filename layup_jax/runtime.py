@@ -35,7 +35,7 @@ import optax
 
 from layup_jax import pushsum
 from layup_jax.algorithms.base import IterationClock, Snapshot, mean_or_nan
-from layup_jax.data.sharding import Batch
+from layup_jax.data.pipeline import Batch
 from layup_jax.stages import StagedModel, make_stage_steps, stage_key, staged_pass
 
 PyTree = Any

@@ -13,11 +13,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
       os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
 
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, flags, logging
+from ml_collections import config_flags
 
-from layup_jax import runner  # noqa: E402
-from layup_jax.config_validation import ConfigError  # noqa: E402
+from layup_jax import runner
+from layup_jax.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
                                           lock_config=True)
@@ -40,7 +40,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except flags.Error as error:
-    _fail(str(error).splitlines()[0])
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    if "Traceback" in str(error):  # an exception inside the config file: its last line says why
+      _fail(f"{lines[0]} {lines[-1]}")
+    _fail(lines[0])
   except OSError as error:
     _fail_config_file(error)
   except (AttributeError, KeyError, TypeError, ValueError) as error:
@@ -66,7 +69,7 @@ def main(argv: list[str]) -> None:
     _fail_config_file(error)
   try:
     summary = runner.run(config, _WORKDIR.value)
-  except ConfigError as error:
+  except UserError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
   print(

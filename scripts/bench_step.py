@@ -24,15 +24,15 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from configs import base  # noqa: E402
-from layup_jax import data, models, optim, stages  # noqa: E402
-from layup_jax.algorithms import ddp  # noqa: E402
-from layup_jax.algorithms.base import init_model  # noqa: E402
-from layup_jax.data.sharding import Batch  # noqa: E402
-from layup_jax.runtime import LayUpRuntime, local_update  # noqa: E402
+from configs import base
+from layup_jax import data, models, optim, stages
+from layup_jax.algorithms import ddp
+from layup_jax.algorithms.base import init_model
+from layup_jax.data.pipeline import Batch
+from layup_jax.runtime import LayUpRuntime, local_update
 
 # Dense bf16 peak FLOP/s by device kind (vendor figures); CPUs have none, so no MFU there.
 PEAK_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA H100": 989e12,
@@ -200,7 +200,7 @@ def main() -> None:
   args = parser.parse_args()
 
   rows = [bench_case(case, args.repeats, args.iters) for case in args.cases]
-  mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"  # noqa: E731
+  mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"
   print(f"{'case':<16}{'stages':>7}{'batch':>6}{'staged ms':>11}{'fused ms':>10}"
         f"{'staged/fused':>14}{'GFLOP/it':>10}{'MFU st.':>9}{'MFU fu.':>9}")
   for r in rows:

@@ -17,10 +17,10 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
+import jax
 
-from configs import base  # noqa: E402
-from layup_jax import runner  # noqa: E402
+from configs import base
+from layup_jax import runner
 
 
 def main() -> None:

@@ -8,10 +8,10 @@ os.environ["XLA_FLAGS"] = " ".join(
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
-from configs import base  # noqa: E402
+from configs import base
 
 assert len(jax.devices()) == 8, jax.devices()
 

@@ -38,12 +38,12 @@ def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_s
   import optax
 
   from layup_jax.data import digits
-  from layup_jax.data.sharding import Batch, ShardIterator
+  from layup_jax.data.pipeline import Batch, TrainIterator
   from layup_jax.runtime import LayUpRuntime
 
   model = model or mlp_model()
   train, _ = digits.load_digits(0.2)
-  iterators = [ShardIterator(train, num_devices, i, batch_size, seed) for i in range(num_devices)]
+  iterators = [TrainIterator(train, num_devices, i, batch_size, seed) for i in range(num_devices)]
   example = Batch(train.inputs[:batch_size], train.targets[:batch_size])
   params, state = model.init(jax.random.key(seed), example.inputs)
   tx = optax.sgd(learning_rate, momentum=0.9)

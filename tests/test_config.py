@@ -5,13 +5,14 @@ import sys
 
 import pytest
 
+from layup_jax import data
 from layup_jax.config_validation import ConfigError, validate_config
 
 
 @pytest.mark.parametrize("key, value, message", [
     ("optimizer.learning_rate", -0.1, r"config.optimizer.learning_rate=-0.1: must be >= 0"),
     ("num_devices", 9, r"config.num_devices=9: must be between 1 and the 8 devices"),
-    ("data.batch_size", 500, r"config.data.batch_size=500: each of the 8 devices has only 179"),
+    ("data.eval_resize", 100, r"config.data.eval_resize=100: must be >= data.image_size=224"),
     ("algorithm", "sync", r"config.algorithm='sync': must be one of \['ddp', 'layup'\]"),
     ("layup.bn_policy", "skip", r"config.layup.bn_policy='skip'"),
     ("straggler.device", 8, r"config.straggler.device=8: must name one of the 8"),
@@ -21,6 +22,22 @@ def test_impossible_values_name_their_key(tiny_config, key, value, message):
   target = tiny_config[section] if section else tiny_config
   target[name] = value
   with pytest.raises(ConfigError, match=message):
+    validate_config(tiny_config, 8)
+
+
+def test_a_batch_larger_than_a_device_shard_is_refused_when_the_data_is_built(tiny_config):
+  tiny_config.data.batch_size = 500
+  with pytest.raises(ConfigError, match=r"config.data.batch_size=500: each of the 8 devices has "
+                                        r"only 179 training samples"):
+    data.make_dataset(tiny_config.data, 8, 0)
+
+
+def test_a_token_dataset_needs_a_model_with_room_for_its_tokens(tiny_config):
+  tiny_config.data.name = "text_files"
+  with pytest.raises(ConfigError, match=r"config.model.name='digits_resnet': data.name="):
+    validate_config(tiny_config, 8)
+  tiny_config.model.name, tiny_config.model.vocab_size = "gpt2", 256
+  with pytest.raises(ConfigError, match=r"config.model.vocab_size=256: the tokenizer .* has 257"):
     validate_config(tiny_config, 8)
 
 
@@ -59,3 +76,16 @@ def test_the_cli_reports_a_bad_override_in_one_line(tmp_path, override, message)
   assert result.returncode == 2
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith(message), result.stderr
+
+
+def test_the_cli_says_in_one_line_how_to_prepare_a_missing_dataset(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "layup_jax.train", "--config", "configs/cifar100_resnet18.py",
+       f"--config.data.data_dir={tmp_path}", f"--workdir={tmp_path / 'run'}"],
+      capture_output=True, text=True, timeout=120, check=False,
+  )
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  assert lines[0].startswith(f"error: dataset 'cifar100' is not prepared in the data dir {tmp_path}")
+  assert f"tfds build cifar100 --data_dir={tmp_path} --file_format=array_record" in lines[0]

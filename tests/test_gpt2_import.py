@@ -15,7 +15,7 @@ VOCAB, CTX, DIM, HEADS, LAYERS = 48, 16, 64, 4, 2  # the "tiny" size
 
 def write_checkpoint(directory, seed=0, prefix="transformer."):
   rng = np.random.default_rng(seed)
-  normal = lambda *shape: (0.2 * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
+  normal = lambda *shape: (0.2 * rng.normal(size=shape)).astype(np.float32)
   tensors = {"wte.weight": normal(VOCAB, DIM), "wpe.weight": normal(CTX, DIM),
              "ln_f.weight": 1 + normal(DIM), "ln_f.bias": normal(DIM)}
   for i in range(LAYERS):
@@ -51,7 +51,7 @@ def numpy_gpt2_logits(t, tokens):
     p = f"h.{i}."
     x = layer_norm(h, p + "ln_1") @ t[p + "attn.c_attn.weight"] + t[p + "attn.c_attn.bias"]
     q, k, v = np.split(x, 3, axis=-1)
-    split = lambda a: a.reshape(batch, length, HEADS, DIM // HEADS).transpose(0, 2, 1, 3)  # noqa: E731
+    split = lambda a: a.reshape(batch, length, HEADS, DIM // HEADS).transpose(0, 2, 1, 3)
     q, k, v = split(q), split(k), split(v)  # [B, nh, T, hs]
     scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(DIM // HEADS)
     scores = np.where(causal, scores, -np.inf)

@@ -11,7 +11,7 @@ import pytest
 from configs import base
 from layup_jax import models, stages
 from layup_jax.algorithms.ddp import DDPRuntime
-from layup_jax.data.sharding import Batch
+from layup_jax.data.pipeline import Batch
 from layup_jax.models import __main__ as summary
 from layup_jax.runtime import LayUpRuntime
 

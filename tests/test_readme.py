@@ -10,7 +10,7 @@ README = (ROOT / "README.md").read_text()
 
 
 def test_readme_opens_with_the_two_commands():
-  first_block = re.search(r"```bash\n(.*?)```", README, re.S).group(1).strip().splitlines()
+  first_block = re.search(r"```bash\n(.*?)```", README, re.DOTALL).group(1).strip().splitlines()
   assert len(first_block) == 2
   assert "python -m layup_jax.train --config configs/digits.py" in first_block[0]
   assert first_block[1].endswith("python -m pytest -q -n 2 tests")
@@ -19,7 +19,7 @@ def test_readme_opens_with_the_two_commands():
 
 def test_bring_your_own_model_snippet_trains(tmp_path):
   section = README.split("## Bring your own model", 1)[1]
-  snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  snippet = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
   snippet = snippet.replace('"runs/my_mlp"', repr(str(tmp_path)))
   result = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)

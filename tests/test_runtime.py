@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from layup_jax import pushsum
-from layup_jax.data import digits, eval_batches
+from layup_jax.data import EvalSet, digits
 from layup_jax.evaluation import Evaluator
 from layup_jax.runtime import WorkerError
 from tests.helpers import make_layup_runtime, mlp_model
@@ -19,7 +19,7 @@ def _perturb_replicas(runtime, scale=0.5):
   """Gives every replica different parameters, as after some local steps."""
   for i, replica in enumerate(runtime.replicas):
     rng = np.random.default_rng(100 + i)
-    noise = lambda p, rng=rng, device=replica.device: jax.device_put(  # noqa: E731
+    noise = lambda p, rng=rng, device=replica.device: jax.device_put(
         scale * rng.normal(size=p.shape).astype(np.float32), device)
     replica.params = [jax.tree.map(lambda p, noise=noise: p + noise(p), stage)
                       for stage in replica.params]
@@ -56,7 +56,7 @@ def test_with_learning_rate_zero_gossip_alone_reaches_consensus_and_keeps_the_av
   runtime = make_layup_runtime(8, learning_rate=0.0)
   _perturb_replicas(runtime)
   start = _mass(runtime)
-  params = lambda: [r.params for r in runtime.replicas]  # noqa: E731
+  params = lambda: [r.params for r in runtime.replicas]
   first_distance = float(pushsum.consensus_distance(
       jax.device_put(params(), jax.devices()[0]), start))
   assert first_distance > 1e-2
@@ -95,7 +95,7 @@ def _test_loss(runtime, evaluator):
 def test_threaded_layup_lowers_the_test_loss_and_stops_cleanly():
   runtime = make_layup_runtime(8, learning_rate=0.05)
   _, test = digits.load_digits(0.2)
-  evaluator = Evaluator(mlp_model(), eval_batches(test, 360), jax.devices()[0])
+  evaluator = Evaluator(mlp_model(), EvalSet(test, 360), jax.devices()[0])
   before = _test_loss(runtime, evaluator)
   runtime.compile()
   progress = []
@@ -113,12 +113,12 @@ def _ddp_runtime(num_devices):
   import optax
 
   from layup_jax.algorithms.ddp import DDPRuntime
-  from layup_jax.data.sharding import Batch, ShardIterator
+  from layup_jax.data.pipeline import Batch, TrainIterator
 
   train, _ = digits.load_digits(0.2)
   model = mlp_model()
   params, state = model.init(jax.random.key(0), train.inputs[:8])
-  iterators = [ShardIterator(train, num_devices, i, 8, 0) for i in range(num_devices)]
+  iterators = [TrainIterator(train, num_devices, i, 8, 0) for i in range(num_devices)]
   return DDPRuntime(model, optax.sgd(0.05), jax.devices()[:num_devices], iterators, params,
                     state, Batch(train.inputs[:8], train.targets[:8]), seed=0)
 

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 
 from layup_jax import models
-from layup_jax.data.sharding import Batch
+from layup_jax.data.pipeline import Batch
 from layup_jax.stages import StagedModel
 
 PyTree = Any

@@ -1,66 +1,176 @@
-"""Datasets by name: each builder makes per-device train iterators and a test set."""
+"""Datasets by name: each builds a train and a test split; the pipeline shards and prefetches.
+
+| `data.name` | source | splits (train / test) | samples |
+|---|---|---|---|
+| `digits` | scikit-learn (shipped) | fixed `test_fraction` split | 8x8x1 image, label |
+| `cifar100` | TFDS `cifar100` | train / test | 32x32x3 image, fine label |
+| `imagenet2012` | TFDS `imagenet2012` | train / validation | `image_size` crop, label |
+| `imdb_reviews` | TFDS `imdb_reviews` | train / test | `seq_len` tokens, label |
+| `lm1b`, `tiny_shakespeare` | TFDS | train / test | `seq_len` tokens, next tokens |
+| `wikitext103` | TFDS `huggingface:wikitext/wikitext-103-raw-v1` | train / test | same |
+| `minipile` | TFDS `huggingface:jeankaddour__minipile` | train / test | same |
+| `text_files` | files under `text_dir` matching `text_glob` | last `test_fraction` of files | same |
+"""
 
 import dataclasses
 from collections.abc import Callable
 
 import ml_collections
+import numpy as np
 
-from layup_jax.data import digits
-from layup_jax.data.sharding import ArraySplit, Batch, EvalBatch, ShardIterator, eval_batches
+from layup_jax.data import digits, sources, text, vision
+from layup_jax.data.pipeline import (
+  ArraySplit,
+  Batch,
+  EvalBatch,
+  EvalSet,
+  Split,
+  TrainIterator,
+  shard_indices,
+)
+from layup_jax.errors import ConfigError, DataError
 
-EVAL_BATCH_SIZE = 512
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+  build: Callable[[ml_collections.ConfigDict], tuple[Split, Split]]
+  tfds_name: str = ""  # default TFDS name (data.tfds_name overrides)
+  splits: tuple[str, str] = ("train", "test")
+  kind: str = "classification"  # or "language_model"
 
 
 @dataclasses.dataclass
 class Dataset:
-  train: list[ShardIterator]  # one per device, each over its own exclusive shard
-  test: list[EvalBatch]
+  train: list[TrainIterator]  # one per device, each over its own exclusive shard
+  test: EvalSet
   example_batch: Batch  # one training batch, for shapes at init and compilation
   num_train: int
+  kind: str
 
   @property
   def steps_per_epoch(self) -> int:
     return self.train[0].batches_per_epoch()
 
 
-def _in_memory(train: ArraySplit, test: ArraySplit, config, num_devices: int,
-               seed: int) -> Dataset:
-  iterators = [
-      ShardIterator(train, num_devices, shard, config.batch_size, seed)
-      for shard in range(num_devices)
-  ]
-  return Dataset(
-      train=iterators,
-      test=eval_batches(test, min(EVAL_BATCH_SIZE, len(test))),
-      example_batch=Batch(train.inputs[: config.batch_size], train.targets[: config.batch_size]),
-      num_train=len(train),
-  )
+def _tfds_splits(config) -> tuple[str, str, str]:
+  spec = DATASETS[config.name]
+  train, test = spec.splits
+  return (config.tfds_name or spec.tfds_name, config.train_split or train,
+          config.test_split or test)
 
 
-def _digits(config: ml_collections.ConfigDict, num_devices: int, seed: int) -> Dataset:
-  train, test = digits.load_digits(config.test_fraction)
-  return _in_memory(train, test, config, num_devices, seed)
+def _open(config, split: str) -> sources.RecordSource:
+  name, _, _ = _tfds_splits(config)
+  return sources.open_split(name, split, config.data_dir)
 
 
-def num_train_samples(config: ml_collections.ConfigDict) -> int:
-  """Training-set size without building iterators (for config validation)."""
-  return _SIZES[config.name](config)
+def _digits(config):
+  return digits.load_digits(config.test_fraction)
 
 
-_REGISTRY: dict[str, Callable[[ml_collections.ConfigDict, int, int], Dataset]] = {
-    "digits": _digits,
-}
-_SIZES: dict[str, Callable[[ml_collections.ConfigDict], int]] = {
-    "digits": lambda config: len(digits.load_digits(config.test_fraction)[0]),
+def _cifar100(config):
+  _, train, test = _tfds_splits(config)
+  return vision.Cifar100Split(_open(config, train)), vision.Cifar100Split(_open(config, test))
+
+
+def _imagenet(config):
+  _, train, test = _tfds_splits(config)
+  return tuple(vision.ImageNetSplit(_open(config, split), config.image_size, config.eval_resize)
+               for split in (train, test))
+
+
+def _imdb(config):
+  _, train, test = _tfds_splits(config)
+  tokenizer = text.make_tokenizer(config.tokenizer)
+  pad = 0 if isinstance(tokenizer, text.ByteTokenizer) else tokenizer.eos_id
+  return tuple(text.ReviewSplit(_open(config, split), tokenizer, config.seq_len, pad)
+               for split in (train, test))
+
+
+def _tfds_corpus(config):
+  _, train, test = _tfds_splits(config)
+  tokenizer = text.make_tokenizer(config.tokenizer)
+  splits = []
+  for split in (train, test):
+    records = _open(config, split)
+    stream = text.record_stream(records, "text", tokenizer, config.token_cache_dir)
+    splits.append(text.PackedWindows(stream, config.seq_len, records.description))
+  return tuple(splits)
+
+
+def _text_files(config):
+  if not config.text_dir:
+    raise DataError("data.name='text_files' needs data.text_dir, a folder of text files")
+  tokenizer = text.make_tokenizer(config.tokenizer)
+  train, test = text.file_streams(config.text_dir, config.text_glob, tokenizer,
+                                  config.test_fraction, config.token_cache_dir)
+  return (text.PackedWindows(train, config.seq_len, f"the train files of {config.text_dir}"),
+          text.PackedWindows(test, config.seq_len, f"the test files of {config.text_dir}"))
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "digits": DatasetSpec(_digits),
+    "cifar100": DatasetSpec(_cifar100, "cifar100"),
+    "imagenet2012": DatasetSpec(_imagenet, "imagenet2012", ("train", "validation")),
+    "imdb_reviews": DatasetSpec(_imdb, "imdb_reviews"),
+    "lm1b": DatasetSpec(_tfds_corpus, "lm1b", kind="language_model"),
+    "tiny_shakespeare": DatasetSpec(_tfds_corpus, "tiny_shakespeare", kind="language_model"),
+    "wikitext103": DatasetSpec(_tfds_corpus, "huggingface:wikitext/wikitext-103-raw-v1",
+                               kind="language_model"),
+    "minipile": DatasetSpec(_tfds_corpus, "huggingface:jeankaddour__minipile",
+                            kind="language_model"),
+    "text_files": DatasetSpec(_text_files, kind="language_model"),
 }
 
 
 def names() -> list[str]:
-  return sorted(_REGISTRY)
+  return sorted(DATASETS)
+
+
+def token_vocab_size(config: ml_collections.ConfigDict) -> int | None:
+  """Tokens a text dataset can produce (None for images), to check the model's vocabulary."""
+  if DATASETS[config.name].kind == "language_model" or config.name == "imdb_reviews":
+    return text.make_tokenizer(config.tokenizer).vocab_size
+  return None
+
+
+def build_splits(config: ml_collections.ConfigDict) -> tuple[Split, Split]:
+  return DATASETS[config.name].build(config)
 
 
 def make_dataset(config: ml_collections.ConfigDict, num_devices: int, seed: int) -> Dataset:
-  return _REGISTRY[config.name](config, num_devices, seed)
+  """Per-device train iterators and the test set; checks the batch fits each device's shard."""
+  train, test = build_splits(config)
+  shard = len(train) // num_devices
+  if config.batch_size > shard:
+    raise ConfigError(
+        f"config.data.batch_size={config.batch_size}: each of the {num_devices} devices has only "
+        f"{shard} training samples per epoch; use a batch size <= {shard} or fewer devices")
+  iterators = [TrainIterator(train, num_devices, device, config.batch_size, seed,
+                             config.read_threads, config.prefetch)
+               for device in range(num_devices)]
+  example = train.read(np.arange(config.batch_size), np.random.default_rng(0))
+  return Dataset(
+      train=iterators,
+      test=EvalSet(test, config.eval_batch_size, config.max_eval_batches, config.read_threads,
+                   config.prefetch),
+      example_batch=example,
+      num_train=len(train),
+      kind=DATASETS[config.name].kind,
+  )
 
 
-__all__ = ["Batch", "Dataset", "EvalBatch", "make_dataset", "names", "num_train_samples"]
+__all__ = [
+  "ArraySplit",
+  "Batch",
+  "DataError",
+  "Dataset",
+  "EvalBatch",
+  "EvalSet",
+  "Split",
+  "TrainIterator",
+  "build_splits",
+  "make_dataset",
+  "names",
+  "shard_indices",
+]

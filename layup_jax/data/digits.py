@@ -5,7 +5,7 @@ import functools
 import numpy as np
 from sklearn import datasets
 
-from layup_jax.data.sharding import ArraySplit
+from layup_jax.data.pipeline import ArraySplit
 
 SPLIT_SEED = 0  # the train/test split is fixed, whatever the run's seed
 
@@ -21,7 +21,7 @@ def load_digits(test_fraction: float) -> tuple[ArraySplit, ArraySplit]:
   images = (digits.images / 16.0).astype(np.float32)[..., None]  # [N, 8, 8, 1]
   labels = digits.target.astype(np.int32)
   order = np.random.default_rng(SPLIT_SEED).permutation(len(labels))
-  num_test = int(round(test_fraction * len(labels)))
+  num_test = round(test_fraction * len(labels))
   test, train = order[:num_test], order[num_test:]
   splits = ArraySplit(images[train], labels[train]), ArraySplit(images[test], labels[test])
   for split in splits:

@@ -1,0 +1,66 @@
+"""Tokenizers from local files only, corpora packed to the context length, cached streams."""
+
+import numpy as np
+import pytest
+
+from layup_jax.data import text
+from layup_jax.errors import DataError
+
+
+def test_byte_tokens_round_trip_and_end_each_document():
+  tokenizer = text.ByteTokenizer()
+  stream = text.token_stream(["héllo", "ab"], tokenizer)
+  assert stream.tolist() == [*"héllo".encode(), 256, 97, 98, 256]
+  assert tokenizer.decode(stream[:6]) == "héllo"
+
+
+def _train_bpe(directory):
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tokenizer.train_from_iterator(["def f(x):\n    return x + 1\n"] * 50, trainer)
+  tokenizer.decoder = __import__("tokenizers").decoders.ByteLevel()
+  tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def test_a_local_bpe_tokenizer_is_used_with_its_end_of_text_token(tmp_path):
+  _train_bpe(tmp_path)
+  tokenizer = text.make_tokenizer(str(tmp_path))
+  ids = tokenizer.encode("def f(x):\n    return x + 1\n")
+  assert len(ids) < 15  # merges learned: far fewer tokens than its 28 bytes
+  assert tokenizer.decode(ids) == "def f(x):\n    return x + 1\n"
+  stream = text.token_stream(["return x", "def"], tokenizer)
+  assert (stream == tokenizer.eos_id).sum() == 2 and stream.max() < tokenizer.vocab_size
+
+
+def test_a_folder_without_tokenizer_files_says_what_is_missing(tmp_path):
+  with pytest.raises(DataError, match=r"no tokenizer.json \(or vocab.json and merges.txt\) in"):
+    text.make_tokenizer(str(tmp_path))
+
+
+def test_packed_windows_are_consecutive_and_targets_are_the_next_tokens():
+  stream = np.arange(100, dtype=np.uint16)
+  windows = text.PackedWindows(stream, seq_len=8)
+  assert len(windows) == 99 // 8
+  batch = windows.read(np.array([0, 3]), None)
+  np.testing.assert_array_equal(batch.inputs[1], np.arange(24, 32))
+  np.testing.assert_array_equal(batch.targets[1], np.arange(25, 33))
+  with pytest.raises(DataError, match="fewer than one window"):
+    text.PackedWindows(np.arange(8), seq_len=8)
+
+
+def test_text_files_hold_out_whole_files_and_the_stream_is_cached(tmp_path):
+  for i in range(10):
+    (tmp_path / f"f{i}.txt").write_text(f"file {i} " * 20)
+  cache = tmp_path / "cache"
+  train, test = text.file_streams(str(tmp_path), "*.txt", text.ByteTokenizer(), 0.2, str(cache))
+  tokenizer = text.ByteTokenizer()
+  assert tokenizer.decode(test).startswith("file 8 ") and "file 7" not in tokenizer.decode(test)
+  assert "file 8" not in tokenizer.decode(train) and len(list(cache.glob("*.npy"))) == 2
+  again, _ = text.file_streams(str(tmp_path), "*.txt", tokenizer, 0.2, str(cache))
+  assert isinstance(again, np.memmap) and np.array_equal(again, train)
+  with pytest.raises(DataError, match=r"no files match '\*.md'"):
+    text.file_streams(str(tmp_path), "*.md", tokenizer, 0.2, "")
