@@ -80,6 +80,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[
         bar.set_postfix(acc=f"{record['accuracy']:.3f}", loss=f"{record['loss']:.3f}")
   finally:
     runtime.close()
+    dataset.close()
     writer.close()
 
   summary = {

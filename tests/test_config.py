@@ -71,7 +71,7 @@ def test_the_cli_reports_a_bad_override_in_one_line(tmp_path, override, message)
   result = subprocess.run(
       [sys.executable, "-m", "layup_jax.train", "--config", "configs/digits.py", override,
        f"--workdir={tmp_path}"],
-      capture_output=True, text=True, timeout=120,
+      capture_output=True, text=True, timeout=120, check=False,
   )
   assert result.returncode == 2
   lines = result.stderr.strip().splitlines()

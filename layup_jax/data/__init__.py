@@ -51,6 +51,10 @@ class Dataset:
   def steps_per_epoch(self) -> int:
     return self.train[0].batches_per_epoch()
 
+  def close(self) -> None:
+    for iterator in self.train:
+      iterator.close()
+
 
 def _tfds_splits(config) -> tuple[str, str, str]:
   spec = DATASETS[config.name]

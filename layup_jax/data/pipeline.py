@@ -126,6 +126,10 @@ class TrainIterator(Iterator[Batch]):
   def set_state(self, state: dict[str, Any]) -> None:
     self._iterator.set_state(state)
 
+  def close(self) -> None:
+    """Stops the reader threads (pending reads are cancelled)."""
+    self._iterator.close()
+
   @property
   def next_batch(self) -> int:
     """How many batches have been taken (the index of the next one)."""
