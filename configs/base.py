@@ -10,7 +10,9 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
 
-  config.algorithm = "layup"  # one of layup_jax.algorithms.names(): "layup" or "ddp"
+  # One of layup_jax.algorithms.names(): "layup", "ddp", "gosgd", "adpsgd", "local_sgd",
+  # "slowmo", "co2", "diloco".
+  config.algorithm = "layup"
   config.num_devices = 8  # M, the number of local devices that train (the first M of jax.devices())
   config.seed = 0  # seeds parameters, data order, peer choice and dropout
 
@@ -74,6 +76,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.layup = ml_collections.ConfigDict()
   config.layup.bn_policy = "mix"  # BatchNorm running statistics under gossip: "mix" or "local"
   config.layup.max_dispatch_ahead = 1  # iterations a compute thread may run ahead of its device
+
+  # The periodic-averaging baselines (layup_jax/algorithms/periodic.py), named as in the paper.
+  config.baselines = ml_collections.ConfigDict()
+  config.baselines.tau = 12  # local iterations between exact global averages
+  config.baselines.out_freq = 48  # iterations between outer steps (a multiple of tau)
+  config.baselines.slow_lr = 1.0  # SlowMo, CO2: outer learning rate
+  config.baselines.slow_momentum = 0.5  # SlowMo, CO2: outer momentum
+  config.baselines.co2_clip = 1.0  # CO2: clip of the outer pseudo-gradient's global norm
+  config.baselines.outer_lr = 0.7  # DiLoCo: outer Nesterov SGD learning rate
+  config.baselines.outer_momentum = 0.9  # DiLoCo: outer Nesterov momentum
 
   # Straggler injection (paper Section 5.4): the device idles delay_iters times the measured mean
   # iteration time before each of its iterations. device=-1 turns it off.

@@ -3,7 +3,8 @@
 Hyper-parameters from the paper's appendix table for CIFAR-100 (batch 128 per worker, SGD,
 cosine schedule over 100 epochs, warm-up 5 epochs for LayUp); momentum 0.9 (not stated).
 Needs `cifar100` prepared in the TFDS data dir (the error says how when it is not).
-`--config configs/cifar100_resnet18.py:ddp` takes DDP's column.
+`--config configs/cifar100_resnet18.py:ddp` takes DDP's column (also `:gosgd`, `:slowmo`,
+`:co2`).
 """
 
 from configs import base
@@ -12,6 +13,12 @@ PAPER = {
     "layup": {"optimizer.learning_rate": 0.035, "optimizer.warmup_epochs": 5.0,
               "optimizer.warmup_init_lr": 0.012, "optimizer.weight_decay": 0.003},
     "ddp": {"optimizer.learning_rate": 0.045, "optimizer.weight_decay": 0.005},
+    "gosgd": {"optimizer.learning_rate": 0.045, "optimizer.warmup_epochs": 5.0,
+              "optimizer.warmup_init_lr": 0.015, "optimizer.weight_decay": 0.005},
+    "slowmo": {"optimizer.learning_rate": 0.045, "optimizer.weight_decay": 0.005,
+               "baselines.tau": 12, "baselines.out_freq": 48},
+    "co2": {"optimizer.learning_rate": 0.045, "optimizer.weight_decay": 0.005,
+            "baselines.tau": 12, "baselines.out_freq": 48},
 }
 
 

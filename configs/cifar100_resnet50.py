@@ -2,7 +2,8 @@
 
 Hyper-parameters from the paper's appendix table for CIFAR-100 (batch 128 per worker, SGD,
 cosine schedule over 100 epochs, warm-up 5 epochs for LayUp); momentum 0.9 (not stated).
-Needs `cifar100` prepared in the TFDS data dir. `:ddp` takes DDP's column.
+Needs `cifar100` prepared in the TFDS data dir.
+`:ddp`, `:gosgd`, `:slowmo`, `:co2` take the other columns.
 """
 
 from configs import base
@@ -11,6 +12,12 @@ PAPER = {
     "layup": {"optimizer.learning_rate": 0.035, "optimizer.warmup_epochs": 5.0,
               "optimizer.warmup_init_lr": 0.01, "optimizer.weight_decay": 0.005},
     "ddp": {"optimizer.learning_rate": 0.045, "optimizer.weight_decay": 0.005},
+    "gosgd": {"optimizer.learning_rate": 0.022, "optimizer.warmup_epochs": 5.0,
+              "optimizer.warmup_init_lr": 0.0073, "optimizer.weight_decay": 0.014},
+    "slowmo": {"optimizer.learning_rate": 0.045, "optimizer.weight_decay": 0.0,
+               "baselines.tau": 12, "baselines.out_freq": 48},
+    "co2": {"optimizer.learning_rate": 0.045, "optimizer.weight_decay": 0.005,
+            "baselines.tau": 12, "baselines.out_freq": 48},
 }
 
 

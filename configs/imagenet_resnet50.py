@@ -4,7 +4,8 @@ Batch 256 per worker, SGD, 90 epochs, 2 warm-up epochs, weight decay 1e-4 (appen
 the learning rate decays linearly to zero after warm-up as Section 5's setup says (the table
 lists a cosine T_max of 90 epochs; set optimizer.schedule=cosine for that reading). Momentum
 0.9 (not stated). Needs `imagenet2012` prepared in the TFDS data dir, which needs the manual
-download from image-net.org (the error says how). `:ddp` takes DDP's column.
+download from image-net.org (the error says how).
+`:ddp`, `:gosgd`, `:slowmo`, `:co2` take the other columns.
 """
 
 from configs import base
@@ -12,6 +13,11 @@ from configs import base
 PAPER = {
     "layup": {"optimizer.learning_rate": 0.1, "optimizer.warmup_init_lr": 0.03},
     "ddp": {"optimizer.learning_rate": 0.3, "optimizer.warmup_init_lr": 0.1},
+    "gosgd": {"optimizer.learning_rate": 0.1, "optimizer.warmup_init_lr": 0.03},
+    "slowmo": {"optimizer.learning_rate": 0.3, "optimizer.warmup_init_lr": 0.1,
+               "baselines.tau": 12, "baselines.out_freq": 48},
+    "co2": {"optimizer.learning_rate": 0.3, "optimizer.warmup_init_lr": 0.1,
+            "baselines.tau": 12, "baselines.out_freq": 48},
 }
 
 

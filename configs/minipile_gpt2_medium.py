@@ -7,7 +7,7 @@ from 0.00014011); steps here are per-device iterations, so both are scaled to DD
 a differently scaled parametrization: check it before a long run.
 Needs `huggingface:jeankaddour__minipile` prepared in the TFDS data dir. For the paper's GPT-2
 BPE set data.tokenizer to a folder with GPT-2's tokenizer.json; byte-level otherwise.
-`:ddp` takes DDP's column.
+`:ddp`, `:gosgd`, `:slowmo`, `:co2` take the other columns.
 """
 
 from configs import base
@@ -16,6 +16,12 @@ PAPER = {
     "layup": {"optimizer.learning_rate": 0.00075249, "optimizer.warmup_steps": 1143,
               "optimizer.warmup_init_lr": 0.00014011, "optimizer.weight_decay": 0.0031235},
     "ddp": {"optimizer.learning_rate": 0.76978, "optimizer.weight_decay": 0.0},
+    "gosgd": {"optimizer.learning_rate": 0.00075249, "optimizer.warmup_steps": 1143,
+              "optimizer.warmup_init_lr": 0.00014011, "optimizer.weight_decay": 0.0031235},
+    "slowmo": {"optimizer.learning_rate": 0.9645, "optimizer.weight_decay": 0.0,
+               "baselines.tau": 5, "baselines.out_freq": 20},
+    "co2": {"optimizer.learning_rate": 0.9645, "optimizer.weight_decay": 0.0,
+            "baselines.tau": 5, "baselines.out_freq": 20},
 }
 
 

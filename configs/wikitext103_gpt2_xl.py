@@ -6,7 +6,8 @@ workers (T_max 29,144, warm-up 7,000 from 0.0002), scaled here to per-device ste
 learning rate is copied as printed in the table (0.31645): check it before a long run.
 Needs `huggingface:wikitext/wikitext-103-raw-v1` prepared in the TFDS data dir, GPT-2 XL's
 `model.safetensors` in a local folder (--config.model.pretrained=DIR) and GPT-2's tokenizer.json
-(--config.data.tokenizer=DIR; the same folder works). `:ddp` takes DDP's column.
+(--config.data.tokenizer=DIR; the same folder works).
+`:ddp`, `:gosgd`, `:slowmo`, `:co2` take the other columns.
 """
 
 from configs import base
@@ -15,6 +16,12 @@ PAPER = {
     "layup": {"optimizer.learning_rate": 0.0003, "optimizer.warmup_steps": 1750,
               "optimizer.warmup_init_lr": 0.0002},
     "ddp": {"optimizer.learning_rate": 0.31645, "optimizer.warmup_init_lr": 0.005},
+    "gosgd": {"optimizer.learning_rate": 0.0003, "optimizer.warmup_steps": 1750,
+              "optimizer.warmup_init_lr": 0.0002},
+    "slowmo": {"optimizer.learning_rate": 0.32855, "optimizer.warmup_init_lr": 0.005,
+               "baselines.tau": 12, "baselines.out_freq": 48},
+    "co2": {"optimizer.learning_rate": 0.38939, "optimizer.warmup_init_lr": 0.005,
+            "baselines.tau": 12, "baselines.out_freq": 48},
 }
 
 

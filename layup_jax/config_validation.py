@@ -88,6 +88,13 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   ]
   for key, bound in checks:
     _at_least(config, key, bound)
+  for key in ("baselines.tau", "baselines.out_freq"):
+    _at_least(config, key, 1)
+  for key in ("baselines.slow_lr", "baselines.slow_momentum", "baselines.co2_clip",
+              "baselines.outer_lr", "baselines.outer_momentum"):
+    _at_least(config, key, 0)
+  _require(config.baselines.out_freq % config.baselines.tau == 0, "baselines.out_freq",
+           config.baselines.out_freq, f"must be a multiple of baselines.tau={config.baselines.tau}")
   _require(config.optimizer.momentum < 1, "optimizer.momentum", config.optimizer.momentum,
            "must be < 1")
   _require(config.model.dropout < 1, "model.dropout", config.model.dropout, "must be < 1")

@@ -40,6 +40,7 @@ from layup_jax.stages import StagedModel, make_stage_steps, stage_key, staged_pa
 
 PyTree = Any
 BN_POLICIES = ("mix", "local")
+PICK = "pick"  # peer argument: let the runtime pick a random peer
 _POLL_S = 0.05  # how often blocked threads look at the stop event
 
 
@@ -102,6 +103,48 @@ class _Budget:
   def close(self) -> None:
     with self._cond:
       self._closed = True
+      self._cond.notify_all()
+
+
+class PeriodSync:
+  """Rendezvous of all devices at the end of each averaging period.
+
+  Device i's `arrive(period)` counts it in; the last device to arrive runs `action(period)`
+  (before returning) and the period is then done. `wait_done(period)` blocks until it is, and
+  gives up with `_Stopped` when the runtime stops. Only this bookkeeping is locked.
+  """
+
+  def __init__(self, num_devices: int, action: Callable[[int], None], stop: threading.Event):
+    self._num, self._action, self._stop = num_devices, action, stop
+    self._cond = threading.Condition()
+    self._arrived: dict[int, int] = collections.defaultdict(int)
+    self.done = 0  # periods whose action has run (they complete in order)
+
+  def arrive(self, period: int) -> bool:
+    """Counts the caller in; True if it was the last and has run the action."""
+    with self._cond:
+      self._arrived[period] += 1
+      if self._arrived[period] < self._num:
+        return False
+      del self._arrived[period]
+      self._action(period)
+      self.done = period
+      self._cond.notify_all()
+      return True
+
+  def wait_done(self, period: int) -> None:
+    self.wait_until(lambda: self.done >= period)
+
+  def wait_until(self, predicate: Callable[[], bool]) -> None:
+    """Blocks until `predicate()` holds, re-checked at each `notify()` and completed period."""
+    with self._cond:
+      while not predicate():
+        if self._stop.is_set():
+          raise _Stopped()
+        self._cond.wait(_POLL_S)
+
+  def notify(self) -> None:
+    with self._cond:
       self._cond.notify_all()
 
 
@@ -191,33 +234,62 @@ class LayUpRuntime:
     j = int(self._peer_rngs[i].integers(self.num_devices - 1))
     return j if j < i else j + 1
 
+  def _local_step(self, i: int, s: int, grads: PyTree) -> None:
+    """Local Optax step of stage s on device i."""
+    replica = self.replicas[i]
+    replica.params[s], replica.opt_state[s] = self._update(replica.params[s],
+                                                           replica.opt_state[s], grads)
+
+  def _send_stage(self, i: int, j: int, s: int, share: float) -> None:
+    """Push-sum merge of device i's stage s into device j, j keeping `share` of its own."""
+    replica, peer = self.replicas[i], self.replicas[j]
+    share_j = jax.device_put(np.float32(share), peer.device)
+    peer.params[s] = self._merge(peer.params[s], jax.device_put(replica.params[s], peer.device),
+                                 share_j)
+    if self.bn_policy == "mix" and replica.state[s]:
+      peer.state[s] = self._merge(peer.state[s], jax.device_put(replica.state[s], peer.device),
+                                  share_j)
+
   def _update_and_send(self, i: int, j: int | None, s: int, grads: PyTree, sent: float) -> None:
     """Local Optax step of stage s on device i, then its push-sum merge into peer j."""
-    replica = self.replicas[i]
-    params, replica.opt_state[s] = self._update(replica.params[s], replica.opt_state[s], grads)
-    replica.params[s] = params
-    if j is None:
-      return
-    peer = self.replicas[j]
-    share = jax.device_put(np.float32(self.weights.receiver_share(j, sent)), peer.device)
-    peer.params[s] = self._merge(peer.params[s], jax.device_put(params, peer.device), share)
-    if self.bn_policy == "mix" and replica.state[s]:
-      peer.state[s] = self._merge(
-          peer.state[s], jax.device_put(replica.state[s], peer.device), share
-      )
+    self._local_step(i, s, grads)
+    if j is not None:
+      self._send_stage(i, j, s, self.weights.receiver_share(j, sent))
 
-  def iterate_serial(self, i: int, peer: int | None) -> float:
-    """One whole LayUp iteration of device i sending to `peer`, on the calling thread.
+  # --- what an iteration's updates do: LayUp's here, the baselines' in their subclasses -------
 
-    The deterministic mode for exact tests: scripted peers, fixed order, no threads.
+  def _begin_iteration(self, i: int, peer: Any = PICK) -> Any:
+    """When device i's first gradient of an iteration arrives: pick a peer, halve w_i."""
+    j = self._pick_peer(i) if peer is PICK else peer
+    return j, (self.weights.send(i) if j is not None else 0.0)
+
+  def _on_stage(self, i: int, context: Any, s: int, grads: PyTree) -> None:
+    """As stage s's gradient arrives: update the stage and push it to the peer."""
+    j, sent = context
+    self._update_and_send(i, j, s, grads, sent)
+
+  def _end_iteration(self, i: int, context: Any, finish: Callable[[], None], wait: bool) -> None:
+    """After the last stage: w_j += the sent weight; `finish()` marks the iteration done.
+
+    `wait` is False in the serial mode, where nothing may block.
     """
+    j, sent = context
+    if j is not None:
+      self.weights.receive(j, sent)
+    finish()
+
+  def _before_iteration(self, i: int) -> None:
+    """Called by compute thread i before it takes budget for an iteration (may block)."""
+
+  def iterate_serial(self, i: int, peer: Any = PICK) -> float:
+    """One whole iteration of device i (sending to `peer` where the algorithm has one), on the
+    calling thread: the deterministic mode for exact tests (scripted peers, fixed order)."""
     grads: dict[int, PyTree] = {}
     loss, _ = self._compute_iteration(i, lambda s, g: grads.__setitem__(s, g))
-    sent = self.weights.send(i) if peer is not None else 0.0
+    context = self._begin_iteration(i, peer)
     for s in reversed(range(self.num_stages)):
-      self._update_and_send(i, peer, s, grads[s], sent)
-    if peer is not None:
-      self.weights.receive(peer, sent)
+      self._on_stage(i, context, s, grads[s])
+    self._end_iteration(i, context, lambda: None, wait=False)
     return float(loss)
 
   # --- compilation ----------------------------------------------------------------------------
@@ -257,7 +329,10 @@ class LayUpRuntime:
   def _compute_loop(self, i: int) -> None:
     pending: collections.deque = collections.deque()
     clock = self._clocks[i]
-    while self._budget.acquire():
+    while True:
+      self._before_iteration(i)
+      if not self._budget.acquire():
+        return
       clock.start_iteration(idle=self._stop.wait)
       loss, last_grads = self._compute_iteration(i, lambda s, g: self._hand_over(i, (s, g)))
       pending.append(loss)
@@ -287,16 +362,14 @@ class LayUpRuntime:
   def _updater_loop(self, i: int) -> None:
     while True:
       stage, grads = self._next_gradient(i)
-      peer = self._pick_peer(i)
-      sent = self.weights.send(i) if peer is not None else 0.0
+      context = self._begin_iteration(i)
       for count in range(self.num_stages):
         if count:
           stage, grads = self._next_gradient(i)
         self._position["updater", i] = stage
-        self._update_and_send(i, peer, stage, grads, sent)
-      if peer is not None:
-        self.weights.receive(peer, sent)
-      self._budget.finish()
+        self._on_stage(i, context, stage, grads)
+      self._position["updater", i] = None
+      self._end_iteration(i, context, self._budget.finish, wait=True)
 
   def _start_threads(self) -> None:
     for role, loop in (("compute", self._compute_loop), ("updater", self._updater_loop)):

@@ -32,8 +32,9 @@ def mlp_model(widths=(16, 16), num_classes=10) -> StagedModel:
 
 
 def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_size=8, seed=0,
-                       **runtime_kwargs):
-  """A LayUp runtime on the digits data with an SGD optimizer, on the first devices."""
+                       runtime_class=None, **runtime_kwargs):
+  """A LayUp runtime (or a baseline's, `runtime_class`) on the digits data with SGD with
+  momentum, on the first devices."""
   import jax
   import optax
 
@@ -47,5 +48,20 @@ def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_s
   example = Batch(train.inputs[:batch_size], train.targets[:batch_size])
   params, state = model.init(jax.random.key(seed), example.inputs)
   tx = optax.sgd(learning_rate, momentum=0.9)
-  return LayUpRuntime(model, tx, jax.devices()[:num_devices], iterators, params, state, example,
-                      seed=seed, **runtime_kwargs)
+  runtime_class = runtime_class or LayUpRuntime
+  return runtime_class(model, tx, jax.devices()[:num_devices], iterators, params, state, example,
+                       seed=seed, **runtime_kwargs)
+
+
+class Hidden(nn.Module):
+  """A dense ReLU stage without BatchNorm, for exact comparisons with DDP."""
+
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.relu(nn.Dense(self.features)(x.reshape(x.shape[0], -1)))
+
+
+def plain_mlp(widths=(16, 16), num_classes=10) -> StagedModel:
+  return StagedModel([Hidden(w) for w in widths] + [FlatDense(num_classes)])

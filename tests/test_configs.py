@@ -53,5 +53,6 @@ def test_the_paper_columns_differ_where_the_paper_does():
   ddp = importlib.import_module("configs.cifar100_resnet18").get_config("ddp")
   assert (layup.optimizer.learning_rate, ddp.optimizer.learning_rate) == (0.035, 0.045)
   assert (layup.optimizer.warmup_epochs, ddp.optimizer.warmup_epochs) == (5.0, 0.0)
-  with pytest.raises(ValueError, match=r"hyper-parameters for \['ddp', 'layup'\], not 'sync'"):
+  with pytest.raises(ValueError, match=r"hyper-parameters for \['co2', 'ddp', 'gosgd', "
+                                      r"'layup', 'slowmo'\], not 'sync'"):
     importlib.import_module("configs.cifar100_resnet18").get_config("sync")

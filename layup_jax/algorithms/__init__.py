@@ -2,12 +2,18 @@
 
 from collections.abc import Callable
 
-from layup_jax.algorithms import ddp, layup
+from layup_jax.algorithms import ddp, gossip, layup, periodic
 from layup_jax.algorithms.base import Runtime, Snapshot
 
 _REGISTRY: dict[str, Callable[..., Runtime]] = {
-    "ddp": ddp.build,
     "layup": layup.build,
+    "ddp": ddp.build,
+    "gosgd": gossip.build,
+    "adpsgd": gossip.build,
+    "local_sgd": periodic.build,
+    "slowmo": periodic.build,
+    "co2": periodic.build,
+    "diloco": periodic.build,
 }
 
 

@@ -1,0 +1,182 @@
+"""Periodic-averaging baselines on LayUp's runtime: Local SGD, SlowMo, CO2 and DiLoCo.
+
+Every device takes local (inner) optimizer steps on its own shard. Every `tau` of its
+iterations it reaches a period boundary; when all devices have reached boundary t, the exact
+average of their models is taken with one XLA all-reduce (`layup_jax.collectives`), and every
+`out_freq` iterations an outer step updates the shared *anchor* from the pseudo-gradient
+`anchor - average`:
+
+  Local SGD  models <- average                          (no outer step)
+  SlowMo     anchor <- anchor - slow_lr * m,  m <- slow_momentum * m + (anchor - average)
+             (Wang et al. 2020, with the base learning rate folded into m), models <- anchor
+  DiLoCo     anchor <- Nesterov SGD(outer_lr, outer_momentum) on (anchor - average),
+             models <- anchor; inner optimizer from config.optimizer (AdamW in the paper)
+  CO2        as SlowMo with the pseudo-gradient's global norm clipped to `co2_clip`, and
+             asynchronous: at boundary t a device contributes its model and continues at once
+             from the anchor of boundary t-1, so averaging overlaps the next `tau` local steps
+             and the average used is exactly one period stale (Sun et al. 2024; their
+             staleness-gap penalty is left out, as in the LayUp paper's comparison).
+
+At boundaries without an outer step (between `out_freq` ones) models <- average. BatchNorm
+statistics are averaged with the parameters; inner optimizer states stay local. A compute thread
+does not start the first iteration of a period before its device's model has been reset for it.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+
+from layup_jax import collectives
+from layup_jax.algorithms.base import init_model
+from layup_jax.data import Dataset
+from layup_jax.runtime import PICK, LayUpRuntime, PeriodSync
+from layup_jax.stages import StagedModel
+
+PyTree = Any
+
+
+def sync_step(stacked_params, stacked_state, anchor, outer_state, *, like_params, like_state,
+              num_devices: int, outer_tx: optax.GradientTransformation | None, outer: bool):
+  """The device average of params and state, and the anchor after an optional outer step."""
+  average = collectives.device_mean(stacked_params, like_params, num_devices)
+  average_state = collectives.device_mean(stacked_state, like_state, num_devices)
+  if outer_tx is None or not outer:
+    return average, outer_state, average_state
+  pseudo_grad = jax.tree.map(lambda a, b: a - b, anchor, average)
+  updates, outer_state = outer_tx.update(pseudo_grad, outer_state, anchor)
+  return optax.apply_updates(anchor, updates), outer_state, average_state
+
+
+class PeriodicAveragingRuntime(LayUpRuntime):
+  """Local steps, then exact global averages every `tau` iterations (see the module doc)."""
+
+  def __init__(self, *args, tau: int, out_freq: int,
+               outer_tx: optax.GradientTransformation | None, lag: int, **kwargs):
+    super().__init__(*args, **kwargs)
+    if tau < 1 or out_freq % tau:
+      raise ValueError(f"out_freq={out_freq} must be a positive multiple of tau={tau}")
+    self.tau, self.out_freq, self.lag = tau, out_freq, lag
+    self._mesh = collectives.DeviceMesh([r.device for r in self.replicas])
+    self._sync = PeriodSync(self.num_devices, self._average, self._stop)
+    self._finished = [0] * self.num_devices  # iterations whose updates device i has applied
+    self._applied = [0] * self.num_devices  # boundaries whose reset device i has applied
+    self._contributions: dict[int, list] = {}
+    first = self.replicas[0]
+    self._anchor = self._mesh.replicate(list(first.params))
+    self._outer_tx = outer_tx
+    self._outer_state = self._mesh.replicate(outer_tx.init(list(first.params))) if outer_tx \
+        else ()
+    self._results = {0: ([list(r.params) for r in self.replicas],
+                         [list(r.state) for r in self.replicas])}
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                        (list(first.params), list(first.state)))
+    out = (self._mesh.replicated,) * 3
+    self._sync_steps = {
+        outer: jax.jit(lambda p, st, a, o, outer=outer: sync_step(
+            p, st, a, o, like_params=like[0], like_state=like[1],
+            num_devices=self.num_devices, outer_tx=outer_tx, outer=outer), out_shardings=out)
+        for outer in (False, True)
+    }
+
+  def compile(self) -> None:
+    super().compile()
+    params = self._mesh.stack([list(r.params) for r in self.replicas])
+    state = self._mesh.stack([list(r.state) for r in self.replicas])
+    for step in self._sync_steps.values():
+      jax.block_until_ready(step(params, state, self._anchor, self._outer_state))
+
+  # --- the period boundary ----------------------------------------------------------------------
+
+  def _average(self, period: int) -> None:
+    """Run by the last device to reach boundary `period`: average, outer step, results."""
+    contributions = self._contributions.pop(period)
+    params = self._mesh.stack([c[0] for c in contributions])
+    state = self._mesh.stack([c[1] for c in contributions])
+    # Between outer steps the models are averaged and the anchor stays where it is.
+    outer = self._outer_tx is not None and (period * self.tau) % self.out_freq == 0
+    models, self._outer_state, average_state = self._sync_steps[outer](
+        params, state, self._anchor, self._outer_state)
+    if outer:
+      self._anchor = models
+    self._results[period] = (self._mesh.unstack(models), self._mesh.unstack(average_state))
+    self._results.pop(period - 2, None)
+    if self.lag == 0:
+      for k in range(self.num_devices):
+        self._reset(k, period, period)
+
+  def _reset(self, k: int, boundary: int, period: int) -> None:
+    """Device k's model <- the models of `period`'s result, for boundary `boundary`."""
+    params, state = self._results[period]
+    replica = self.replicas[k]
+    for s in range(self.num_stages):
+      replica.params[s] = params[k][s]
+      replica.state[s] = state[k][s]
+    self._applied[k] = boundary
+
+  def _begin_iteration(self, i: int, peer: Any = PICK) -> Any:
+    return None
+
+  def _on_stage(self, i, context, s, grads) -> None:
+    self._local_step(i, s, grads)
+
+  def _end_iteration(self, i, context, finish, wait) -> None:
+    self._finished[i] += 1
+    if self._finished[i] % self.tau:
+      finish()
+      return
+    boundary = self._finished[i] // self.tau
+    replica = self.replicas[i]
+    self._contributions.setdefault(boundary, [None] * self.num_devices)[i] = (
+        list(replica.params), list(replica.state))
+    last = self._sync.arrive(boundary)
+    if self.lag == 0:  # synchronous: the last device to arrive has reset every model
+      finish()
+      if wait and not last:
+        self._sync.wait_done(boundary)
+      return
+    needed = boundary - self.lag
+    if self._sync.done < needed:
+      if not wait:
+        raise RuntimeError(f"serial mode: device {i} reached boundary {boundary} before every "
+                           f"device reached boundary {needed}")
+      finish()  # parked here, this device changes nothing until the others arrive
+      self._sync.wait_done(needed)
+      self._reset(i, boundary, needed)
+      self._sync.notify()
+      return
+    self._reset(i, boundary, needed)
+    self._sync.notify()
+    finish()
+
+  def _before_iteration(self, i: int) -> None:
+    k = self.replicas[i].iteration
+    if k and k % self.tau == 0:
+      self._sync.wait_until(lambda: self._applied[i] >= k // self.tau)
+
+
+def _outer_tx(config: ml_collections.ConfigDict) -> optax.GradientTransformation | None:
+  b = config.baselines
+  slowmo = optax.sgd(b.slow_lr, momentum=b.slow_momentum or None)
+  return {
+      "local_sgd": None,
+      "slowmo": slowmo,
+      "co2": optax.chain(optax.clip_by_global_norm(b.co2_clip), slowmo),
+      "diloco": optax.sgd(b.outer_lr, momentum=b.outer_momentum, nesterov=True),
+  }[config.algorithm]
+
+
+def build(config: ml_collections.ConfigDict, model: StagedModel,
+          tx: optax.GradientTransformation, devices: Sequence[jax.Device],
+          dataset: Dataset) -> PeriodicAveragingRuntime:
+  params, state = init_model(config, model, dataset.example_batch)
+  return PeriodicAveragingRuntime(
+      model, tx, devices, dataset.train, params, state, dataset.example_batch,
+      seed=config.seed, bn_policy="mix", max_dispatch_ahead=config.layup.max_dispatch_ahead,
+      straggler_device=config.straggler.device,
+      straggler_delay_iters=config.straggler.delay_iters,
+      tau=config.baselines.tau, out_freq=config.baselines.out_freq,
+      outer_tx=_outer_tx(config), lag=1 if config.algorithm == "co2" else 0,
+  )

@@ -1,0 +1,175 @@
+"""Each baseline's defining property, on CPU fake devices (paper Section 5's comparisons)."""
+
+import json
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+
+from layup_jax import collectives, runner
+from layup_jax.algorithms.gossip import ADPSGDRuntime, GoSGDRuntime
+from layup_jax.algorithms.periodic import PeriodicAveragingRuntime, sync_step
+from layup_jax.stages import StagedModel
+from tests.helpers import Hidden, make_layup_runtime, mlp_model, plain_mlp
+
+PEERS = [1, 3, 0, 2, 2, 0, 3, 1]  # scripted peer of each serial iteration
+
+
+def _leaves(runtime, device):
+  return jax.tree.leaves(jax.device_get(runtime.replicas[device].params))
+
+
+class _Whole(nn.Module):
+  """The plain MLP's stages as one stage: same maths, parameters nested one level deeper."""
+
+  @nn.compact
+  def __call__(self, x):
+    for features in (16, 16):
+      x = Hidden(features)(x)
+    return nn.Dense(10)(x)
+
+
+def _as_whole(stages):
+  """The staged MLP's per-stage params as the one-stage `_Whole` tree."""
+  inner = [stage["Dense_0"] for stage in stages]
+  return {"Hidden_0": {"Dense_0": inner[0]}, "Hidden_1": {"Dense_0": inner[1]},
+          "Dense_0": inner[2]}
+
+
+def test_gosgd_equals_layup_with_the_whole_model_as_one_stage():
+  staged = make_layup_runtime(4, model=plain_mlp(), runtime_class=GoSGDRuntime)
+  whole = make_layup_runtime(4, model=StagedModel([_Whole()]))
+  for a, b in zip(staged.replicas, whole.replicas):  # the same initial values
+    b.params[0] = _as_whole(a.params)
+    b.opt_state[0] = jax.jit(optax.sgd(0.05, momentum=0.9).init)(b.params[0])
+  for step, peer in enumerate(PEERS):
+    i = step % 4
+    staged.iterate_serial(i, peer if peer != i else (i + 1) % 4)
+    whole.iterate_serial(i, peer if peer != i else (i + 1) % 4)
+  for device in range(4):
+    got = jax.tree.leaves(jax.device_get(_as_whole(staged.replicas[device].params)))
+    for x, y in zip(got, _leaves(whole, device)):
+      np.testing.assert_allclose(x, y, atol=1e-6)
+  assert staged.weights.values == whole.weights.values
+
+
+def test_adpsgd_keeps_the_sum_of_models_under_learning_rate_zero_while_mixing():
+  runtime = make_layup_runtime(8, learning_rate=0.0, runtime_class=ADPSGDRuntime)
+  # Distinct models per device, so averaging has something to do.
+  for i, replica in enumerate(runtime.replicas):
+    replica.params = [jax.tree.map(lambda a, i=i: a * (1.0 + 0.1 * i), p) for p in replica.params]
+  total = lambda: [sum(np.asarray(x) for x in leaves) for leaves in
+                   zip(*(jax.tree.leaves(jax.device_get(r.params)) for r in runtime.replicas))]
+  spread = lambda: float(np.std([np.concatenate([x.ravel() for x in _leaves(runtime, d)])
+                                 for d in range(8)], axis=0).max())
+  before, spread_before = total(), spread()
+  runtime.compile()
+  runtime.run_until(8 * 30, lambda _: None)
+  runtime.close()
+  for x, y in zip(before, total()):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+  assert spread() < 0.2 * spread_before
+
+
+def _ddp_params(model, steps, tx):
+  from layup_jax.algorithms.ddp import DDPRuntime
+  from layup_jax.data import TrainIterator, digits
+  from layup_jax.data.pipeline import Batch
+
+  train, _ = digits.load_digits(0.2)
+  params, state = model.init(jax.random.key(0), train.inputs[:8])
+  iterators = [TrainIterator(train, 4, i, 8, 0) for i in range(4)]
+  ddp = DDPRuntime(model, tx, jax.devices()[:4], iterators, params, state,
+                   Batch(train.inputs[:8], train.targets[:8]), seed=0)
+  ddp.compile()
+  ddp.run_until(4 * steps, lambda _: None)
+  return jax.tree.leaves(jax.device_get(ddp.snapshot().params[0]))
+
+
+@pytest.mark.parametrize("outer_tx", [None, optax.sgd(1.0)], ids=["local_sgd", "slowmo"])
+def test_periodic_averaging_every_step_equals_ddp(outer_tx):
+  """Local SGD with tau=1, and SlowMo with tau=1, slow lr 1 and slow momentum 0, are DDP: the
+  mean of M SGD-with-momentum steps from one model is one step with the mean gradient."""
+  runtime = make_layup_runtime(4, model=plain_mlp(), runtime_class=PeriodicAveragingRuntime,
+                               tau=1, out_freq=1, outer_tx=outer_tx, lag=0)
+  for _ in range(5):
+    for i in range(4):
+      runtime.iterate_serial(i)
+  want = _ddp_params(plain_mlp(), 5, optax.sgd(0.05, momentum=0.9))
+  for device in range(4):
+    for got, expected in zip(_leaves(runtime, device), want):
+      np.testing.assert_allclose(got, expected, atol=2e-6)
+
+
+def test_diloco_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
+  mesh = collectives.DeviceMesh(jax.devices()[:4])
+  rng = np.random.default_rng(0)
+  shapes = {"w": (3, 2), "b": (2,)}
+  anchor = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+  outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), anchor)
+  step = jax.jit(lambda p, a, o: sync_step(p, {}, a, o, like_params=like, like_state={},
+                                           num_devices=4, outer_tx=outer_tx, outer=True)[:2],
+                 out_shardings=(mesh.replicated,) * 2)
+  state, hand_anchor = mesh.replicate(outer_tx.init(anchor)), dict(anchor)
+  velocity = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+  current = mesh.replicate(anchor)
+  for _ in range(3):
+    models = [{k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+              for _ in range(4)]
+    stacked = mesh.stack([jax.device_put(m, d) for m, d in zip(models, mesh.devices)])
+    current, state = step(stacked, current, state)
+    for k in shapes:  # Nesterov: v <- mu v + g; x <- x - lr (g + mu v)
+      grad = hand_anchor[k] - np.mean([m[k] for m in models], axis=0)
+      velocity[k] = 0.9 * velocity[k] + grad
+      hand_anchor[k] = hand_anchor[k] - 0.7 * (grad + 0.9 * velocity[k])
+    for k in shapes:
+      np.testing.assert_allclose(np.asarray(current[k]), hand_anchor[k], rtol=1e-5, atol=1e-6)
+
+
+def test_co2_uses_the_average_of_exactly_one_period_before():
+  def periodic(lag):
+    return make_layup_runtime(4, model=plain_mlp(), runtime_class=PeriodicAveragingRuntime,
+                              tau=2, out_freq=2, lag=lag,
+                              outer_tx=optax.chain(optax.clip_by_global_norm(1e9),
+                                                   optax.sgd(1.0)))
+  co2, synchronous = periodic(1), periodic(0)
+  initial = _leaves(co2, 0)
+
+  def period(runtime):
+    for _ in range(2):
+      for i in range(4):
+        runtime.iterate_serial(i)
+
+  period(co2)
+  period(synchronous)
+  for device in range(4):  # boundary 1: no average is ready yet, CO2 restarts from the anchor
+    for got, want in zip(_leaves(co2, device), initial):
+      np.testing.assert_array_equal(got, want)
+  average_1 = _leaves(synchronous, 0)  # the boundary-1 average of the same local models
+  period(co2)
+  for device in range(4):  # boundary 2: the average of boundary 1
+    for got, want in zip(_leaves(co2, device), average_1):
+      np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["gosgd", "adpsgd", "local_sgd", "slowmo", "co2", "diloco"])
+def test_every_baseline_trains_the_digits_task(algorithm, tiny_config, tmp_path):
+  tiny_config.algorithm, tiny_config.num_devices = algorithm, 4
+  tiny_config.model.widths = (8,)
+  tiny_config.num_steps, tiny_config.eval_every = 60, 0
+  tiny_config.optimizer.learning_rate = 0.2
+  tiny_config.baselines.tau, tiny_config.baselines.out_freq = 4, 8
+  if algorithm == "diloco":
+    tiny_config.optimizer.name, tiny_config.optimizer.learning_rate = "adamw", 1e-2
+  summary = runner.run(tiny_config, tmp_path)
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+  first, last = (r for r in rows if r["split"] == "test" and r["step"] in (0, 60))
+  assert last["loss"] < 0.9 * first["loss"] and last["accuracy"] > 2 * first["accuracy"], rows
+  assert abs(summary["weight_sum"] - 1.0) < 0.05
+
+
+def test_the_mlp_helper_has_batchnorm_and_the_plain_one_does_not():
+  assert "batch_stats" not in str(plain_mlp().modules) and mlp_model()
