@@ -13,7 +13,7 @@ from layup_jax.config_validation import ConfigError, validate_config
     ("optimizer.learning_rate", -0.1, r"config.optimizer.learning_rate=-0.1: must be >= 0"),
     ("num_devices", 9, r"config.num_devices=9: must be between 1 and the 8 devices"),
     ("data.eval_resize", 100, r"config.data.eval_resize=100: must be >= data.image_size=224"),
-    ("algorithm", "sync", r"config.algorithm='sync': must be one of \['ddp', 'layup'\]"),
+    ("algorithm", "sync", r"config.algorithm='sync': must be one of \['adpsgd', 'co2', 'ddp'"),
     ("layup.bn_policy", "skip", r"config.layup.bn_policy='skip'"),
     ("straggler.device", 8, r"config.straggler.device=8: must name one of the 8"),
 ])

@@ -1,6 +1,7 @@
 """The runner end to end: records a user can plot, for both algorithms, and a clean Ctrl-C."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -34,6 +35,9 @@ def test_a_run_writes_metrics_and_summary_and_learns(tiny_config, tmp_path, algo
   assert abs(test_records[-1]["weight_sum"] - 1.0) < 0.1
 
 
+STOP_BOUND_S = 30
+
+
 def test_ctrl_c_stops_every_thread_within_seconds(tmp_path):
   process = subprocess.Popen(
       [sys.executable, "-m", "layup_jax.train", "--config", "configs/digits.py",
@@ -41,6 +45,7 @@ def test_ctrl_c_stops_every_thread_within_seconds(tmp_path):
        "--config.eval_every=0",
        f"--workdir={tmp_path}"],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT dumps every thread's stack
   )
   metrics = tmp_path / "metrics.jsonl"
   deadline = time.monotonic() + 240
@@ -50,10 +55,13 @@ def test_ctrl_c_stops_every_thread_within_seconds(tmp_path):
   time.sleep(2.0)
   sent = time.monotonic()
   process.send_signal(signal.SIGINT)
+  # Alone it stops in about 1 s; the bound leaves room for a fully loaded 2-core CI machine.
   try:
-    _, stderr = process.communicate(timeout=10)
+    _, stderr = process.communicate(timeout=STOP_BOUND_S)
   except subprocess.TimeoutExpired:
-    process.kill()
-    pytest.fail("the run did not stop within 10 s of Ctrl-C")
-  assert time.monotonic() - sent < 10
+    process.send_signal(signal.SIGABRT)
+    _, stderr = process.communicate(timeout=30)
+    pytest.fail(f"the run did not stop within {STOP_BOUND_S} s of Ctrl-C; its threads:\n"
+                f"{stderr[-8000:]}")
+  assert time.monotonic() - sent < STOP_BOUND_S
   assert process.returncode != 0 and "KeyboardInterrupt" in stderr
