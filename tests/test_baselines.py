@@ -12,7 +12,7 @@ from layup_jax import collectives, runner
 from layup_jax.algorithms.gossip import ADPSGDRuntime, GoSGDRuntime
 from layup_jax.algorithms.periodic import PeriodicAveragingRuntime, sync_step
 from layup_jax.stages import StagedModel
-from tests.helpers import Hidden, make_layup_runtime, mlp_model, plain_mlp
+from tests.helpers import Hidden, make_layup_runtime, plain_mlp
 
 PEERS = [1, 3, 0, 2, 2, 0, 3, 1]  # scripted peer of each serial iteration
 
@@ -170,6 +170,3 @@ def test_every_baseline_trains_the_digits_task(algorithm, tiny_config, tmp_path)
   assert last["loss"] < 0.9 * first["loss"] and last["accuracy"] > 2 * first["accuracy"], rows
   assert abs(summary["weight_sum"] - 1.0) < 0.05
 
-
-def test_the_mlp_helper_has_batchnorm_and_the_plain_one_does_not():
-  assert "batch_stats" not in str(plain_mlp().modules) and mlp_model()

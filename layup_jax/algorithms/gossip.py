@@ -59,10 +59,10 @@ class ADPSGDRuntime(LayUpRuntime):
     mine, peer = self.replicas[i], self.replicas[j]
     half = jax.device_put(np.float32(0.5), peer.device)
     for s in range(self.num_stages):
-      trees = [("params", mine.params, peer.params)]
+      trees = [(mine.params, peer.params)]
       if self.bn_policy == "mix" and mine.state[s]:
-        trees.append(("state", mine.state, peer.state))
-      for _, ours, theirs in trees:
+        trees.append((mine.state, peer.state))
+      for ours, theirs in trees:
         average = self._merge(theirs[s], jax.device_put(ours[s], peer.device), half)
         theirs[s] = average
         ours[s] = jax.device_put(average, mine.device)
