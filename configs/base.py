@@ -93,6 +93,21 @@ def get_config() -> ml_collections.ConfigDict:
   config.straggler.device = -1
   config.straggler.delay_iters = 0.0
 
+  # Checkpoints (Orbax) in WORKDIR/checkpoints. Re-running a command with the same workdir resumes
+  # from its newest readable checkpoint; SIGTERM or Ctrl-C saves one and exits 0.
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.enabled = True  # False: no checkpoints and no resume
+  config.checkpoint.every = 1000  # steps between checkpoints (plus one at the end); 0 = end only
+  config.checkpoint.keep = 3  # newest checkpoints kept
+  config.checkpoint.async_save = True  # write to disk in the background while training goes on
+  config.restore = ""  # checkpoint folder (or one step's folder) to start from when the workdir
+  #                      has no checkpoint of its own
+
+  # What a non-finite loss or gradient does: "stop" the run naming device, stage and step (the
+  # last checkpoint stays the newest), or "skip" that device's update (counted in metrics).
+  config.faults = ml_collections.ConfigDict()
+  config.faults.nonfinite = "stop"
+
   config.progress_bar = True  # tqdm bar on stderr while training
   return config
 

@@ -8,7 +8,7 @@ import pathlib
 import ml_collections
 
 from configs import base
-from layup_jax import algorithms, data, models, optim, runtime
+from layup_jax import algorithms, data, models, nonfinite, optim, runtime
 from layup_jax.errors import ConfigError
 from layup_jax.models import gpt2
 
@@ -64,6 +64,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "optimizer.name", optim.OPTIMIZERS)
   _one_of(config, "optimizer.schedule", optim.SCHEDULES)
   _one_of(config, "layup.bn_policy", runtime.BN_POLICIES)
+  _one_of(config, "faults.nonfinite", nonfinite.POLICIES)
 
   pretrained = config.model.pretrained
   if pretrained:
@@ -85,6 +86,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("layup.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
       ("model.num_classes", 1), ("model.vocab_size", 1), ("model.max_len", 1),
       ("model.hidden_size", 1), ("model.num_layers", 1), ("model.dropout", 0),
+      ("checkpoint.every", 0), ("checkpoint.keep", 1),
   ]
   for key, bound in checks:
     _at_least(config, key, bound)

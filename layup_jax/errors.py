@@ -1,8 +1,10 @@
-"""Errors a user can fix; the CLI prints them in one line and exits with status 2."""
+"""Errors a user can fix; the CLI prints them in one line and exits with their `exit_code`."""
 
 
 class UserError(ValueError):
   """A mistake in the config or the data that the message explains."""
+
+  exit_code = 2
 
 
 class ConfigError(UserError):
@@ -11,3 +13,13 @@ class ConfigError(UserError):
 
 class DataError(UserError):
   """A dataset problem a user can fix: not prepared, wrong split, corrupt record, no files."""
+
+
+class StorageError(UserError):
+  """The workdir cannot hold the run: not writable, or too little free space for checkpoints."""
+
+
+class NonFiniteError(UserError):
+  """Training produced a non-finite loss or gradient; the message names device, stage, step."""
+
+  exit_code = 3

@@ -13,9 +13,18 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-  def __init__(self, workdir: pathlib.Path):
+  """Appends records to `metrics.jsonl`. A fresh run (`keep_through_step=None`) starts the file
+  anew; a resumed one keeps the records up to its checkpoint's step and drops the later ones,
+  which it will write again."""
+
+  def __init__(self, workdir: pathlib.Path, keep_through_step: int | None = None):
     self.workdir = workdir
     self._path = workdir / "metrics.jsonl"
+    kept = []
+    if keep_through_step is not None and self._path.exists():
+      kept = [r for r in read_metrics(workdir) if r.get("step", 0) <= keep_through_step]
+    with self._path.open("w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
     self._file = self._path.open("a")
 
   def write(self, record: dict[str, Any]) -> None:

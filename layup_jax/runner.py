@@ -8,14 +8,18 @@ import math
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import ml_collections
 import tqdm
+from absl import logging
 
-from layup_jax import algorithms, data, models, optim
+from layup_jax import algorithms, checkpointing, data, models, optim
+from layup_jax.checkpointing import Checkpoints, check_compatible
 from layup_jax.config_validation import resolve_num_steps, validate_config
+from layup_jax.errors import ConfigError, StorageError
 from layup_jax.evaluation import Evaluator
 from layup_jax.metrics import MetricsWriter
 
@@ -37,11 +41,67 @@ def eval_steps(num_steps: int, eval_every: int) -> list[int]:
   return steps + [num_steps]
 
 
-def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, Any]:
-  """Trains `config` and returns the summary also written to `workdir/summary.json`."""
+def _checkpoint_steps(num_steps: int, every: int) -> list[int]:
+  return (list(range(every, num_steps, every)) if every else []) + [num_steps]
+
+
+def _restore_data(dataset: data.Dataset, saved: list[dict], step: int) -> None:
+  """Each device's iterator where it stopped; on another device count, every device at the
+  same share of the data order (the samples already seen are skipped, not their exact order)."""
+  if len(saved) == len(dataset.train):
+    for iterator, state in zip(dataset.train, saved):
+      iterator.set_state(state)
+    return
+  consumed = step * len(saved)  # batches taken over all saved devices
+  for iterator in dataset.train:
+    iterator.set_state({**saved[0], "next_index": consumed // len(dataset.train)})
+
+
+def _restore(config, runtime, dataset, checkpoints: Checkpoints) -> tuple[int, float] | None:
+  """Loads the workdir's newest readable checkpoint, else `config.restore`'s; (step, time)."""
+  current = config.to_json_best_effort()
+
+  def template_of(where):
+    def template(meta):
+      check_compatible(meta["config"], current, where)
+      return runtime.restore_template(meta["runtime"])
+    return template
+
+  restored = checkpoints.restore(template_of(checkpoints.directory))
+  source = checkpoints.directory
+  if restored is None and config.restore:
+    external, step = checkpointing.open_restore_path(config.restore, config.checkpoint.keep)
+    try:
+      restored = external.restore(template_of(external.directory), step, quarantine=False)
+    finally:
+      external.close()
+    if restored is None:
+      raise ConfigError(f"config.restore={config.restore!r}: no readable checkpoint there")
+    source = external.directory
+  if restored is None:
+    return None
+  step, arrays, meta = restored
+  runtime.load_state_dict(arrays, meta["runtime"])
+  _restore_data(dataset, meta["data"], step)
+  logging.warning("resumed from the checkpoint %s/%d (step %d)", source, step, step)
+  return step, float(meta["train_time_s"])
+
+
+def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
+        should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+  """Trains `config` and returns the summary also written to `workdir/summary.json`.
+
+  Resumes from the newest checkpoint in `workdir/checkpoints` (else from `config.restore`).
+  When `should_stop()` turns true (SIGTERM, Ctrl-C) the run stops at the next consistent point,
+  saves a checkpoint and returns `{"stopped": True, "step": ...}` without a summary.
+  """
   validate_config(config, len(jax.devices()))
   workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+  except OSError as error:
+    raise StorageError(f"cannot create the workdir {workdir} ({error.strerror or error})") \
+        from error
   num_devices = config.num_devices
   devices = jax.devices()[:num_devices]
   dataset = data.make_dataset(config.data, num_devices, config.seed)
@@ -50,38 +110,85 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[
   tx = optim.make_optimizer(config.optimizer, num_steps, dataset.steps_per_epoch)
   runtime = algorithms.build_runtime(config, model, tx, devices, dataset)
   evaluator = Evaluator(model, dataset.test, devices[0])
-  writer = MetricsWriter(workdir)
-  train_time = 0.0
+  checkpoints, writer = None, None
+  start_step, train_time = 0, 0.0
 
-  def evaluate(step: int) -> dict[str, Any]:
+  def evaluate(step: int, write: bool = True) -> dict[str, Any]:
     train_loss = runtime.train_loss()
     common = {"step": step, "time_s": train_time, "weight_sum": runtime.weight_sum()}
-    if step > 0:
+    if step > 0 and write:
       writer.write({**common, "split": "train", "loss": train_loss,
                     "samples_per_s": runtime.iterations_done() * config.data.batch_size
-                    / max(train_time, 1e-9)})
+                    / max(train_time, 1e-9), "skipped_steps": runtime.skipped_steps()})
     record = {**common, "split": "test", **evaluator.evaluate(runtime.snapshot())}
     if dataset.kind == "language_model":  # accuracy is next-token accuracy
       record["perplexity"] = math.exp(min(record["loss"], 50.0))
-    writer.write(record)
+    if write:
+      writer.write(record)
     return record
 
+  def save(step: int) -> None:
+    arrays, runtime_meta = runtime.state_dict()
+    checkpoints.save(step, arrays, {
+        "step": step, "train_time_s": train_time, "runtime": runtime_meta,
+        "data": [iterator.get_state() for iterator in dataset.train],
+        "config": config.to_json_best_effort(), "saved_at": time.time()})
+
   try:
+    if config.checkpoint.enabled:
+      checkpointing.check_storage(workdir, checkpointing.tree_bytes(runtime.state_dict()[0]),
+                                  config.checkpoint.keep)
+      checkpoints = Checkpoints(workdir / "checkpoints", config.checkpoint.keep,
+                                config.checkpoint.async_save)
+      restored = _restore(config, runtime, dataset, checkpoints)
+      if restored is not None:
+        start_step, train_time = restored
+    writer = MetricsWriter(workdir, keep_through_step=start_step if start_step else None)
     runtime.compile()
-    record = evaluate(0)
-    bar = tqdm.tqdm(total=num_steps, desc=f"{config.algorithm} x{num_devices}", unit="step",
-                    disable=not config.progress_bar, file=sys.stderr, dynamic_ncols=True)
+    record = evaluate(0) if start_step == 0 else None
+    checkpoint_at = set(_checkpoint_steps(num_steps, config.checkpoint.every)
+                        if checkpoints else [])
+    evaluate_at = set(eval_steps(num_steps, config.eval_every))
+    step, stopped = start_step, False
+    bar = tqdm.tqdm(total=num_steps, initial=start_step, desc=f"{config.algorithm} x{num_devices}",
+                    unit="step", disable=not config.progress_bar, file=sys.stderr,
+                    dynamic_ncols=True)
     with bar:
-      for step in eval_steps(num_steps, config.eval_every):
+      for target in sorted(s for s in evaluate_at | checkpoint_at if s > start_step):
+        if should_stop():
+          stopped = True
+          break
         start = time.perf_counter()
-        runtime.run_until(step * num_devices, _Progress(bar, num_devices))
+        runtime.run_until(target * num_devices, _Progress(bar, num_devices), should_stop)
         train_time += time.perf_counter() - start
-        record = evaluate(step)
-        bar.set_postfix(acc=f"{record['accuracy']:.3f}", loss=f"{record['loss']:.3f}")
+        step = runtime.iterations_done() // num_devices
+        if step < target:
+          stopped = True
+          break
+        if target in evaluate_at:
+          record = evaluate(step)
+          bar.set_postfix(acc=f"{record['accuracy']:.3f}", loss=f"{record['loss']:.3f}")
+        if target in checkpoint_at:
+          save(step)
+    if stopped:
+      if checkpoints is not None and step > start_step:
+        save(step)
+      if checkpoints is not None:
+        checkpoints.wait()
+      return {"stopped": True, "step": step, "num_steps": num_steps,
+              "checkpoint": str(checkpoints.directory / str(step))
+              if checkpoints is not None and step in checkpoints.steps() else None}
+    if record is None:  # resumed from the final checkpoint: evaluate it again, write nothing
+      record = evaluate(num_steps, write=False)
+    if checkpoints is not None:
+      checkpoints.wait()
   finally:
     runtime.close()
     dataset.close()
-    writer.close()
+    if writer is not None:
+      writer.close()
+    if checkpoints is not None:
+      checkpoints.close()
 
   summary = {
       "algorithm": config.algorithm,
@@ -94,7 +201,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[
       "consensus_distance": record["consensus_distance"],
       "weight_sum": record["weight_sum"],
       "wall_time_s": train_time,
-      "train_samples_per_s": runtime.iterations_done() * config.data.batch_size / train_time,
+      "train_samples_per_s": runtime.iterations_done() * config.data.batch_size
+                             / max(train_time, 1e-9),
+      "skipped_steps": runtime.skipped_steps(),
+      "resumed_from_step": start_step,
       "straggler_device": config.straggler.device,
       "straggler_delay_iters": config.straggler.delay_iters,
   }

@@ -24,6 +24,8 @@ BatchNorm running statistics under gossip (`bn_policy`):
 
 import collections
 import dataclasses
+import functools
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -33,9 +35,10 @@ import jax
 import numpy as np
 import optax
 
-from layup_jax import pushsum
+from layup_jax import nonfinite, pushsum, remap
 from layup_jax.algorithms.base import IterationClock, Snapshot, mean_or_nan
 from layup_jax.data.pipeline import Batch
+from layup_jax.errors import NonFiniteError
 from layup_jax.stages import StagedModel, make_stage_steps, stage_key, staged_pass
 
 PyTree = Any
@@ -58,10 +61,28 @@ class Replica:
   iteration: int = 0
 
 
-def local_update(tx: optax.GradientTransformation, params, opt_state, grads):
-  """One Optax step of one stage: `(params, opt_state) -> (new_params, new_opt_state)`."""
-  updates, opt_state = tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state
+def local_update(tx: optax.GradientTransformation, params, opt_state, grads,
+                 skip_nonfinite: bool = False):
+  """One Optax step of one stage: `(new_params, new_opt_state, grads_finite)`.
+
+  With `skip_nonfinite`, a non-finite gradient leaves params and optimizer state as they were.
+  """
+  finite = nonfinite.all_finite(grads)
+  updates, new_opt_state = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  if skip_nonfinite:
+    new_params, new_opt_state = nonfinite.select(finite, (new_params, new_opt_state),
+                                                 (params, opt_state))
+  return new_params, new_opt_state, finite
+
+
+def device_arrays_like(tree: PyTree, device_of: Callable[[int], jax.Device], count: int):
+  """`count` copies of `tree`'s shapes and dtypes, copy j committed to `device_of(j)`."""
+  def like(j: int) -> PyTree:
+    sharding = jax.sharding.SingleDeviceSharding(device_of(j))
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+  return [like(j) for j in range(count)]
 
 
 class _Budget:
@@ -94,6 +115,18 @@ class _Budget:
     with self._cond:
       self.granted = max(self.granted, total)
       self._cond.notify_all()
+
+  def hold(self, multiple: int) -> int:
+    """Grants nothing beyond the next multiple of `multiple` iterations; returns that total."""
+    with self._cond:
+      self.granted = min(self.granted, -(-self.started // multiple) * multiple)
+      self._cond.notify_all()
+      return self.granted
+
+  def reset(self, total: int) -> None:
+    """Counts `total` iterations as granted, started and finished (a restored run)."""
+    with self._cond:
+      self.granted = self.started = self.finished = total
 
   def wait_finished(self, total: int, timeout: float) -> bool:
     with self._cond:
@@ -147,6 +180,12 @@ class PeriodSync:
     with self._cond:
       self._cond.notify_all()
 
+  def restore(self, done: int, arrived: dict[int, int]) -> None:
+    """Continues a checkpointed run: `done` periods complete, `arrived[p]` devices at p."""
+    with self._cond:
+      self.done = done
+      self._arrived = collections.defaultdict(int, arrived)
+
 
 class LayUpRuntime:
   """LayUp on the given devices, threaded, or one iteration at a time with `iterate_serial`."""
@@ -166,17 +205,22 @@ class LayUpRuntime:
       max_dispatch_ahead: int = 1,
       straggler_device: int = -1,
       straggler_delay_iters: float = 0.0,
+      nonfinite_policy: str = "stop",
   ):
     if bn_policy not in BN_POLICIES:
       raise ValueError(f"bn_policy must be one of {BN_POLICIES}, got {bn_policy!r}")
+    if nonfinite_policy not in nonfinite.POLICIES:
+      raise ValueError(f"nonfinite_policy must be one of {nonfinite.POLICIES}")
     self.num_devices = len(devices)
     self.num_stages = model.num_stages
     self.bn_policy = bn_policy
     self._train_batches = list(train_batches)
     self._example_batch = example_batch
     self._model = model
-    self._steps = make_stage_steps(model)
-    self._update = jax.jit(lambda p, o, g: local_update(tx, p, o, g))
+    self._skip_nonfinite = nonfinite_policy == "skip"
+    self._steps = make_stage_steps(model, keep_finite_state=self._skip_nonfinite)
+    self._update = jax.jit(functools.partial(local_update, tx,
+                                             skip_nonfinite=self._skip_nonfinite))
     self._merge = jax.jit(pushsum.merge)
     self._ahead = max_dispatch_ahead
     base_key = jax.random.key(seed)
@@ -199,6 +243,11 @@ class LayUpRuntime:
         for i in range(self.num_devices)
     ]
     self._losses: list[list[float]] = [[] for _ in devices]
+    # Gradient finiteness flags not read yet, (iteration, stage, flag) per device, and how many
+    # iterations each updater has applied and skipped.
+    self._finite_checks: list[collections.deque] = [collections.deque() for _ in devices]
+    self._updates_done = [0] * self.num_devices
+    self._skipped = [0] * self.num_devices
     # Stage each thread is at, to name it when it fails: (role, device) -> stage index.
     self._position: dict[tuple[str, int], int | None] = {}
     self._grad_queues = [
@@ -235,10 +284,36 @@ class LayUpRuntime:
     return j if j < i else j + 1
 
   def _local_step(self, i: int, s: int, grads: PyTree) -> None:
-    """Local Optax step of stage s on device i."""
+    """Local Optax step of stage s on device i (its finiteness flag is read later)."""
     replica = self.replicas[i]
-    replica.params[s], replica.opt_state[s] = self._update(replica.params[s],
-                                                           replica.opt_state[s], grads)
+    replica.params[s], replica.opt_state[s], finite = self._update(
+        replica.params[s], replica.opt_state[s], grads)
+    self._finite_checks[i].append((self._updates_done[i], s, finite))
+
+  def _check_finite(self, i: int, before: float = math.inf) -> None:
+    """Reads device i's gradient flags of iterations `< before` (by then they are computed):
+    counts skipped iterations, or raises NonFiniteError naming device, stage and step."""
+    checks, skipped_at = self._finite_checks[i], None
+    while checks and checks[0][0] < before:
+      iteration, stage, finite = checks.popleft()
+      if bool(finite) or iteration == skipped_at:
+        continue
+      if not self._skip_nonfinite:
+        raise NonFiniteError(
+            f"non-finite gradient of stage {stage} on device {i} at its step {iteration} "
+            f"(backward order: the first stage found non-finite)")
+      skipped_at = iteration
+      self._skipped[i] += 1
+
+  def _check_loss(self, i: int, iteration: int, loss: float) -> bool:
+    """True if the loss is finite; raises NonFiniteError unless non-finite steps are skipped."""
+    if math.isfinite(loss):
+      return True
+    if not self._skip_nonfinite:
+      raise NonFiniteError(
+          f"non-finite training loss ({loss}) on device {i} at its step {iteration}, in stage "
+          f"{self.num_stages - 1} (the loss stage)")
+    return False
 
   def _send_stage(self, i: int, j: int, s: int, share: float) -> None:
     """Push-sum merge of device i's stage s into device j, j keeping `share` of its own."""
@@ -278,18 +353,23 @@ class LayUpRuntime:
       self.weights.receive(j, sent)
     finish()
 
-  def _before_iteration(self, i: int) -> None:
-    """Called by compute thread i before it takes budget for an iteration (may block)."""
+  def _before_iteration(self, i: int, wait: bool = True) -> None:
+    """Called before device i starts an iteration: by compute thread i before it takes budget
+    (it may block), or by `iterate_serial` with `wait=False` (it must not)."""
 
   def iterate_serial(self, i: int, peer: Any = PICK) -> float:
     """One whole iteration of device i (sending to `peer` where the algorithm has one), on the
     calling thread: the deterministic mode for exact tests (scripted peers, fixed order)."""
     grads: dict[int, PyTree] = {}
+    self._before_iteration(i, wait=False)
     loss, _ = self._compute_iteration(i, lambda s, g: grads.__setitem__(s, g))
+    self._check_loss(i, self.replicas[i].iteration - 1, float(loss))
     context = self._begin_iteration(i, peer)
     for s in reversed(range(self.num_stages)):
       self._on_stage(i, context, s, grads[s])
     self._end_iteration(i, context, lambda: None, wait=False)
+    self._updates_done[i] += 1
+    self._check_finite(i)
     return float(loss)
 
   # --- compilation ----------------------------------------------------------------------------
@@ -334,12 +414,15 @@ class LayUpRuntime:
       if not self._budget.acquire():
         return
       clock.start_iteration(idle=self._stop.wait)
+      iteration = self.replicas[i].iteration
       loss, last_grads = self._compute_iteration(i, lambda s, g: self._hand_over(i, (s, g)))
-      pending.append(loss)
+      pending.append((iteration, loss))
       # Bound how far this thread dispatches ahead of its device (the loss is ready once the
       # forward pass of that iteration has run).
       while len(pending) >= self._ahead:
-        self._losses[i].append(float(pending.popleft()))
+        iteration, loss = pending.popleft()
+        if self._check_loss(i, iteration, float(loss)):
+          self._losses[i].append(float(loss))
       clock.end_iteration(last_grads)
 
   def _hand_over(self, i: int, item) -> None:
@@ -370,6 +453,8 @@ class LayUpRuntime:
         self._on_stage(i, context, stage, grads)
       self._position["updater", i] = None
       self._end_iteration(i, context, self._budget.finish, wait=True)
+      self._updates_done[i] += 1
+      self._check_finite(i, before=self._updates_done[i] - 1)  # the previous iteration's
 
   def _start_threads(self) -> None:
     for role, loop in (("compute", self._compute_loop), ("updater", self._updater_loop)):
@@ -385,23 +470,32 @@ class LayUpRuntime:
     if failures:
       role, i, stage, exc = failures[0]
       self.close()
+      if isinstance(exc, NonFiniteError):
+        raise exc
       raise WorkerError(
           f"{role} thread of device {i} failed at stage {stage}: {type(exc).__name__}: {exc}"
       ) from exc
 
   # --- the Runtime interface ------------------------------------------------------------------
 
-  def run_until(self, iterations: int, on_progress: Callable[[int], None]) -> None:
+  def run_until(self, iterations: int, on_progress: Callable[[int], None],
+                should_stop: Callable[[], bool] = lambda: False) -> None:
     if self._stop.is_set():
       self._raise_if_failed()
       raise RuntimeError("the runtime was closed")
     if not self._threads:
       self._start_threads()
     self._budget.grant(iterations)
-    while not self._budget.wait_finished(iterations, timeout=0.1):
+    target = iterations
+    while not self._budget.wait_finished(target, timeout=0.1):
       self._raise_if_failed()
       on_progress(self._budget.finished)
+      if target == iterations and should_stop():
+        # No new iterations beyond the next whole step; those under way finish.
+        target = self._budget.hold(self.num_devices)
     self._raise_if_failed()
+    for i in range(self.num_devices):  # every thread is idle: read the last flags
+      self._check_finite(i)
     on_progress(self._budget.finished)
 
   def iterations_done(self) -> int:
@@ -425,6 +519,64 @@ class LayUpRuntime:
 
   def weight_sum(self) -> float:
     return self.weights.total()
+
+  def skipped_steps(self) -> int:
+    return sum(self._skipped)
+
+  # --- checkpoints (at a consistent point: every thread idle between iterations) --------------
+
+  def _replica_arrays(self, r: Replica) -> dict[str, list]:
+    return {"params": list(r.params), "state": list(r.state), "opt_state": list(r.opt_state)}
+
+  def state_dict(self) -> tuple[PyTree, dict[str, Any]]:
+    arrays = {"replicas": [self._replica_arrays(r) for r in self.replicas],
+              "stage_keys": [[jax.random.key_data(k) for k in r.stage_keys]
+                             for r in self.replicas]}
+    meta = {
+        "num_devices": self.num_devices,
+        "iterations_done": self._budget.finished,
+        "iterations": [r.iteration for r in self.replicas],
+        "weights": list(self.weights.values),
+        "peer_rngs": [g.bit_generator.state for g in self._peer_rngs],
+        "clocks": [c.get_state() for c in self._clocks],
+        "losses": [list(per_device) for per_device in self._losses],
+        "skipped": list(self._skipped),
+    }
+    return arrays, meta
+
+  def restore_template(self, meta: dict[str, Any]) -> PyTree:
+    saved = meta["num_devices"]
+    device_of = lambda j: self.replicas[j % self.num_devices].device
+    return {
+        "replicas": device_arrays_like(self._replica_arrays(self.replicas[0]), device_of, saved),
+        "stage_keys": device_arrays_like([jax.random.key_data(k)
+                                          for k in self.replicas[0].stage_keys],
+                                         device_of, saved),
+    }
+
+  def load_state_dict(self, arrays: PyTree, meta: dict[str, Any]) -> None:
+    saved = meta["num_devices"]
+    if saved == self.num_devices:
+      trees, weights, source = arrays["replicas"], list(meta["weights"]), list(range(saved))
+    else:
+      host = jax.tree.map(np.asarray, arrays["replicas"])
+      trees, weights, source = remap.remap_replicas(host, meta["weights"], self.num_devices)
+    for k, replica in enumerate(self.replicas):
+      tree = jax.device_put(trees[k], replica.device)
+      replica.params, replica.state = list(tree["params"]), list(tree["state"])
+      replica.opt_state = list(tree["opt_state"])
+      replica.iteration = int(meta["iterations"][source[k]])
+      if k < saved:  # a device that existed keeps its keys, peer RNG and clock
+        replica.stage_keys = [jax.device_put(jax.random.wrap_key_data(d), replica.device)
+                              for d in arrays["stage_keys"][k]]
+        self._peer_rngs[k].bit_generator.state = meta["peer_rngs"][k]
+        self._clocks[k].set_state(meta["clocks"][k])
+        self._skipped[k] = int(meta["skipped"][k])
+        if saved == self.num_devices:
+          self._losses[k] = list(meta["losses"][k])
+    self.weights.values = weights
+    steps = meta["iterations_done"] // saved
+    self._budget.reset(steps * self.num_devices)
 
   def close(self) -> None:
     self._stop.set()

@@ -16,6 +16,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from layup_jax import nonfinite
+
 PyTree = Any
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -193,8 +195,11 @@ class StageSteps:
   add_tied: dict[int, Callable]
 
 
-def make_stage_steps(model: StagedModel) -> StageSteps:
+def make_stage_steps(model: StagedModel, keep_finite_state: bool = False) -> StageSteps:
+  """The jitted per-stage functions; `keep_finite_state` keeps a stage's old BatchNorm
+  statistics wherever a batch made the new ones non-finite (for skipped non-finite steps)."""
   last = model.num_stages - 1
+  guard_state = nonfinite.keep_finite if keep_finite_state else lambda new, old: new
 
   forwards: dict[nn.Module, Callable] = {}
 
@@ -212,7 +217,7 @@ def make_stage_steps(model: StagedModel) -> StageSteps:
       y, vjp, new_state = jax.vjp(
           lambda p, h: apply_module(module, p, state, h, rng, True), params, x, has_aux=True
       )
-      return y, new_state, vjp
+      return y, guard_state(new_state, state), vjp
 
     return jax.jit(forward)
 
@@ -228,7 +233,8 @@ def make_stage_steps(model: StagedModel) -> StageSteps:
     (value, new_state), grads = jax.value_and_grad(
         lambda p, h: model.loss_stage(p, state, h, labels, rng), argnums=argnums, has_aux=True
     )(params, x)
-    return value, new_state, grads[0], (grads[1] if last > 0 else None)
+    return (value, guard_state(new_state, state), grads[0],
+            (grads[1] if last > 0 else None))
 
   def make_add_tied(tie):
     return jax.jit(lambda grads, tied_grad: tree_add_at(grads, tie.path, tied_grad))

@@ -1,9 +1,13 @@
 """Command line: flags -> `runner.run(config, workdir)`.
 
   python -m layup_jax.train --config configs/<name>.py [--config.key=value] --workdir DIR
+
+SIGTERM or Ctrl-C: the run stops at the next consistent point, saves a checkpoint and exits 0;
+re-running the same command resumes. A second Ctrl-C stops at once without saving.
 """
 
 import os
+import signal
 import sys
 
 # Eight fake CPU devices unless the user chose a number; this must precede the first JAX import.
@@ -58,6 +62,27 @@ def _parse_flags(argv: list[str]) -> list[str]:
   raise AssertionError("unreachable")
 
 
+class StopRequest:
+  """Set by SIGTERM or SIGINT; `runner.run` polls it (`__call__`)."""
+
+  def __init__(self):
+    self.signal_name: str | None = None
+
+  def install(self) -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(signum, self._handle)
+
+  def _handle(self, signum: int, frame) -> None:
+    if self.signal_name is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+    self.signal_name = signal.Signals(signum).name
+    print(f"\n{self.signal_name}: saving a checkpoint at the next consistent point, then "
+          f"stopping (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+
+  def __call__(self) -> bool:
+    return self.signal_name is not None
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -67,11 +92,19 @@ def main(argv: list[str]) -> None:
     config.keys()  # a config file that failed to load raises only when first used
   except OSError as error:
     _fail_config_file(error)
+  stop = StopRequest()
+  stop.install()
   try:
-    summary = runner.run(config, _WORKDIR.value)
+    summary = runner.run(config, _WORKDIR.value, should_stop=stop)
   except UserError as error:
     print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(error.exit_code)
+  if summary.get("stopped"):
+    where = (f"checkpoint {summary['checkpoint']} saved" if summary["checkpoint"]
+             else "nothing new to save")
+    print(f"stopped by {stop.signal_name} at step {summary['step']} of {summary['num_steps']}: "
+          f"{where}; run the same command again to resume")
+    return
   print(
       f"{summary['algorithm']} on {summary['num_devices']} devices: final consensus test accuracy "
       f"{summary['final_eval_accuracy']:.4f}, loss {summary['final_eval_loss']:.4f}, "

@@ -40,8 +40,13 @@ class Runtime(Protocol):
   def compile(self) -> None:
     """Compiles every function the training loop calls, on every device."""
 
-  def run_until(self, iterations: int, on_progress: Callable[[int], None]) -> None:
-    """Trains until `iterations` are done in total, then returns at a consistent point."""
+  def run_until(self, iterations: int, on_progress: Callable[[int], None],
+                should_stop: Callable[[], bool] = lambda: False) -> None:
+    """Trains until `iterations` are done in total, then returns at a consistent point.
+
+    When `should_stop()` turns true it returns early, at the next consistent point whose
+    iteration count is a whole number of steps (a multiple of the number of devices).
+    """
 
   def iterations_done(self) -> int: ...
 
@@ -51,6 +56,18 @@ class Runtime(Protocol):
     """Mean training loss since the previous call (NaN if none was recorded)."""
 
   def weight_sum(self) -> float: ...
+
+  def skipped_steps(self) -> int:
+    """Iterations whose update was skipped for a non-finite gradient (`faults.nonfinite`)."""
+
+  def state_dict(self) -> tuple[PyTree, dict[str, Any]]:
+    """(device arrays, JSON-able metadata) that resume the runtime; at a consistent point."""
+
+  def load_state_dict(self, arrays: PyTree, meta: dict[str, Any]) -> None:
+    """Continues from `state_dict()`'s output, remapped if it was saved on other devices."""
+
+  def restore_template(self, meta: dict[str, Any]) -> PyTree:
+    """Shapes, dtypes and target devices of the arrays saved with `meta`, for Orbax."""
 
   def close(self) -> None:
     """Stops and joins whatever the runtime started; safe to call twice."""
@@ -91,6 +108,12 @@ class IterationClock:
     if delay > 0:
       idle(delay)
     self._start = time.perf_counter()
+
+  def get_state(self) -> list[float]:
+    return [self._total, self._count]
+
+  def set_state(self, state: Sequence[float]) -> None:
+    self._total, self._count = float(state[0]), int(state[1])
 
   def end_iteration(self, last_outputs: Any) -> None:
     """Marks the end of an iteration whose work ends with `last_outputs`."""

@@ -8,34 +8,45 @@ concatenated batch.
 """
 
 import functools
+import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from layup_jax import nonfinite
 from layup_jax.algorithms.base import IterationClock, Snapshot, init_model, mean_or_nan
 from layup_jax.data import Dataset
+from layup_jax.errors import NonFiniteError
 from layup_jax.stages import StagedModel
 
 
 def train_step(model: StagedModel, tx: optax.GradientTransformation, params, state, opt_state,
-               inputs, targets, key, iteration):
-  """One fused `value_and_grad` + Optax step: `(params, state, opt_state, loss)`."""
+               inputs, targets, key, iteration, skip_nonfinite: bool = False):
+  """One fused `value_and_grad` + Optax step: `(params, state, opt_state, loss, finite)`, where
+  `finite[s]` says whether stage s's (device-averaged) gradient is finite. With
+  `skip_nonfinite` a step with any non-finite gradient changes nothing."""
   (loss, new_state), grads = jax.value_and_grad(model.loss, has_aux=True)(
       params, state, inputs, targets, key, iteration
   )
-  updates, opt_state = tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), new_state, opt_state, loss
+  finite = jnp.stack([nonfinite.all_finite(stage_grads) for stage_grads in grads])
+  updates, new_opt_state = tx.update(grads, opt_state, params)
+  new = (optax.apply_updates(params, updates), new_state, new_opt_state)
+  if skip_nonfinite:
+    new = nonfinite.select(jnp.all(finite) & jnp.isfinite(loss), new, (params, state, opt_state))
+  return (*new, loss, finite)
 
 
 class DDPRuntime:
   """The synchronous baseline behind the same interface as LayUp's runtime."""
 
   def __init__(self, model, tx, devices, train_batches, params, state, example_batch, *,
-               seed: int, straggler_delay_iters: float = 0.0):
+               seed: int, straggler_delay_iters: float = 0.0, nonfinite_policy: str = "stop"):
     self.num_devices = len(devices)
     mesh = Mesh(np.asarray(devices), ("data",))
     self._replicated = NamedSharding(mesh, PartitionSpec())
@@ -46,12 +57,14 @@ class DDPRuntime:
     self.state = jax.device_put(state, self._replicated)
     self.opt_state = jax.jit(tx.init, out_shardings=self._replicated)(self.params)
     self._key = jax.device_put(jax.random.key(seed), self._replicated)
+    self._skip_nonfinite = nonfinite_policy == "skip"
     self._step = jax.jit(
-        functools.partial(train_step, model, tx),
+        functools.partial(train_step, model, tx, skip_nonfinite=self._skip_nonfinite),
         out_shardings=self._replicated,
         donate_argnums=(0, 1, 2),
     )
     self._steps_done = 0
+    self._skipped = 0
     self._clock = IterationClock(straggler_delay_iters)
     self._losses: list[float] = []
 
@@ -73,23 +86,38 @@ class DDPRuntime:
     )
     self._step = self._step.lower(*avals, *args, self._key, iteration).compile()
 
-  def run_until(self, iterations: int, on_progress: Callable[[int], None]) -> None:
+  def _check(self, step: int, loss: jax.Array, finite: jax.Array) -> None:
+    """Reads one step's loss and gradient flags: records, skips or raises NonFiniteError."""
+    value, finite = float(loss), np.asarray(finite)
+    if math.isfinite(value) and finite.all():
+      self._losses.append(value)
+    elif self._skip_nonfinite:
+      self._skipped += 1
+    else:
+      where = (f"gradient of stage {int(np.argmin(finite))} (the first non-finite)"
+               if not finite.all() else f"loss ({value}), stage {len(finite) - 1}")
+      raise NonFiniteError(
+          f"non-finite {where} at step {step} (DDP averages the {self.num_devices} devices' "
+          f"gradients inside one step, so the device is not known)")
+
+  def run_until(self, iterations: int, on_progress: Callable[[int], None],
+                should_stop: Callable[[], bool] = lambda: False) -> None:
     pending = None
-    while self.iterations_done() < iterations:
+    while self.iterations_done() < iterations and not should_stop():
       self._clock.start_iteration()
       inputs, targets = self._global_batch()
       iteration = jax.device_put(np.int32(self._steps_done), self._replicated)
-      self.params, self.state, self.opt_state, loss = self._step(
+      self.params, self.state, self.opt_state, loss, finite = self._step(
           self.params, self.state, self.opt_state, inputs, targets, self._key, iteration
       )
       self._steps_done += 1
       if pending is not None:  # one step of dispatch ahead, as LayUp's default
-        self._losses.append(float(pending))
-      pending = loss
+        self._check(*pending)
+      pending = (self._steps_done - 1, loss, finite)
       self._clock.end_iteration(loss)
       on_progress(self.iterations_done())
     if pending is not None:
-      self._losses.append(float(pending))
+      self._check(*pending)
 
   def iterations_done(self) -> int:
     return self._steps_done * self.num_devices
@@ -105,6 +133,34 @@ class DDPRuntime:
   def weight_sum(self) -> float:
     return 1.0
 
+  def skipped_steps(self) -> int:
+    return self._skipped
+
+  # --- checkpoints: one replicated model, so a changed device count only re-shards it ---------
+
+  def _arrays(self) -> dict[str, Any]:
+    return {"params": self.params, "state": self.state, "opt_state": self.opt_state,
+            "key": jax.random.key_data(self._key)}
+
+  def state_dict(self):
+    meta = {"num_devices": self.num_devices, "steps_done": self._steps_done,
+            "iterations_done": self.iterations_done(), "losses": list(self._losses),
+            "clock": self._clock.get_state(), "skipped": self._skipped}
+    return self._arrays(), meta
+
+  def restore_template(self, meta):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        self._arrays())
+
+  def load_state_dict(self, arrays, meta) -> None:
+    arrays = jax.device_put(arrays, self._replicated)
+    self.params, self.state = arrays["params"], arrays["state"]
+    self.opt_state = arrays["opt_state"]
+    self._key = jax.device_put(jax.random.wrap_key_data(arrays["key"]), self._replicated)
+    self._steps_done, self._skipped = int(meta["steps_done"]), int(meta["skipped"])
+    self._losses = list(meta["losses"])
+    self._clock.set_state(meta["clock"])
+
   def close(self) -> None:
     pass
 
@@ -115,4 +171,5 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
   params, state = init_model(config, model, dataset.example_batch)
   delay = config.straggler.delay_iters if config.straggler.device >= 0 else 0.0
   return DDPRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,
-                    seed=config.seed, straggler_delay_iters=delay)
+                    seed=config.seed, straggler_delay_iters=delay,
+                    nonfinite_policy=config.faults.nonfinite)

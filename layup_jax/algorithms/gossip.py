@@ -87,4 +87,5 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
       max_dispatch_ahead=config.layup.max_dispatch_ahead,
       straggler_device=config.straggler.device,
       straggler_delay_iters=config.straggler.delay_iters,
+      nonfinite_policy=config.faults.nonfinite,
   )

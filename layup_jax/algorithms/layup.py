@@ -27,4 +27,5 @@ def build(
       max_dispatch_ahead=config.layup.max_dispatch_ahead,
       straggler_device=config.straggler.device,
       straggler_delay_iters=config.straggler.delay_iters,
+      nonfinite_policy=config.faults.nonfinite,
   )

@@ -19,7 +19,11 @@ average of their models is taken with one XLA all-reduce (`layup_jax.collectives
 
 At boundaries without an outer step (between `out_freq` ones) models <- average. BatchNorm
 statistics are averaged with the parameters; inner optimizer states stay local. A compute thread
-does not start the first iteration of a period before its device's model has been reset for it.
+does not start the first iteration of a period before its device's model has been reset for it;
+an updater never waits at a boundary (it contributes, and the reset happens when the result is
+ready: by the last device to arrive, or by the compute thread before its next iteration). So
+whenever every started iteration has finished the runtime is at a consistent point, and a
+checkpoint holds the contributions of periods not yet averaged.
 """
 
 from collections.abc import Sequence
@@ -32,7 +36,8 @@ import optax
 from layup_jax import collectives
 from layup_jax.algorithms.base import init_model
 from layup_jax.data import Dataset
-from layup_jax.runtime import PICK, LayUpRuntime, PeriodSync
+from layup_jax.errors import ConfigError
+from layup_jax.runtime import PICK, LayUpRuntime, PeriodSync, device_arrays_like
 from layup_jax.stages import StagedModel
 
 PyTree = Any
@@ -123,38 +128,102 @@ class PeriodicAveragingRuntime(LayUpRuntime):
     self._local_step(i, s, grads)
 
   def _end_iteration(self, i, context, finish, wait) -> None:
-    self._finished[i] += 1
-    if self._finished[i] % self.tau:
-      finish()
-      return
-    boundary = self._finished[i] // self.tau
-    replica = self.replicas[i]
-    self._contributions.setdefault(boundary, [None] * self.num_devices)[i] = (
-        list(replica.params), list(replica.state))
-    last = self._sync.arrive(boundary)
-    if self.lag == 0:  # synchronous: the last device to arrive has reset every model
-      finish()
-      if wait and not last:
-        self._sync.wait_done(boundary)
-      return
-    needed = boundary - self.lag
-    if self._sync.done < needed:
-      if not wait:
-        raise RuntimeError(f"serial mode: device {i} reached boundary {boundary} before every "
-                           f"device reached boundary {needed}")
-      finish()  # parked here, this device changes nothing until the others arrive
-      self._sync.wait_done(needed)
-      self._reset(i, boundary, needed)
-      self._sync.notify()
-      return
-    self._reset(i, boundary, needed)
+    finished = self._finished[i] + 1
+    if finished % self.tau == 0:
+      boundary = finished // self.tau
+      replica = self.replicas[i]
+      self._contributions.setdefault(boundary, [None] * self.num_devices)[i] = (
+          list(replica.params), list(replica.state))
+      # The last device to arrive averages; with lag 0 it also resets every model.
+      self._sync.arrive(boundary)
+      if self.lag and self._sync.done >= boundary - self.lag:  # CO2: the stale average is ready
+        self._reset(i, boundary, boundary - self.lag)
+    self._finished[i] = finished  # after the reset: the compute thread may now reset instead
     self._sync.notify()
     finish()
 
-  def _before_iteration(self, i: int) -> None:
+  def _before_iteration(self, i: int, wait: bool = True) -> None:
     k = self.replicas[i].iteration
-    if k and k % self.tau == 0:
-      self._sync.wait_until(lambda: self._applied[i] >= k // self.tau)
+    if not k or k % self.tau:
+      return
+    boundary = k // self.tau
+    needed = boundary - self.lag
+
+    def ready() -> bool:
+      return self._applied[i] >= boundary or (self._finished[i] >= k
+                                              and self._sync.done >= needed)
+
+    if not wait and not ready():
+      raise RuntimeError(f"serial mode: device {i} reached boundary {boundary} before every "
+                         f"device reached boundary {needed}")
+    self._sync.wait_until(ready)
+    if self._applied[i] < boundary:  # the average was not ready when this device arrived
+      self._reset(i, boundary, needed)
+      self._sync.notify()
+
+  # --- checkpoints --------------------------------------------------------------------------------
+
+  def _model_arrays(self, params, state) -> dict[str, list]:
+    return {"params": list(params), "state": list(state)}
+
+  def state_dict(self):
+    arrays, meta = super().state_dict()
+    slots = [(p, k) for p, models in sorted(self._contributions.items())
+             for k, model in enumerate(models) if model is not None]
+    periods = sorted(self._results)
+    arrays.update(
+        anchor=self._anchor, outer_state=self._outer_state,
+        # Averages are replicated: one copy each (period 0's are the identical initial models).
+        results=[self._model_arrays(self._results[p][0][0], self._results[p][1][0])
+                 for p in periods],
+        contributions=[self._model_arrays(*self._contributions[p][k]) for p, k in slots],
+    )
+    meta.update(finished=list(self._finished), applied=list(self._applied),
+                periods_done=self._sync.done, result_periods=periods,
+                contribution_slots=[list(slot) for slot in slots])
+    return arrays, meta
+
+  def restore_template(self, meta):
+    template = super().restore_template(meta)
+    first = self.replicas[0]
+    model = self._model_arrays(first.params, first.state)
+    like = lambda tree: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+    template.update(
+        anchor=like(self._anchor), outer_state=like(self._outer_state),
+        results=device_arrays_like(model, lambda j: first.device, len(meta["result_periods"])),
+        contributions=[device_arrays_like(model, lambda j, k=k: self.replicas[
+            k % self.num_devices].device, 1)[0] for _, k in meta["contribution_slots"]],
+    )
+    return template
+
+  def load_state_dict(self, arrays, meta) -> None:
+    finished = meta["finished"]
+    if meta["num_devices"] != self.num_devices and (meta["contribution_slots"]
+                                                   or len(set(finished)) > 1):
+      raise ConfigError(
+          f"this {type(self).__name__} checkpoint was taken in the middle of an averaging period "
+          f"(devices at iterations {finished}); resume it on {meta['num_devices']} devices")
+    super().load_state_dict(arrays, meta)
+    count = self.num_devices
+    if meta["num_devices"] != count:
+      finished = [finished[0]] * count
+    self._finished = list(finished)
+    self._applied = (list(meta["applied"]) if meta["num_devices"] == count
+                     else [meta["applied"][0]] * count)
+    self._anchor = jax.device_put(arrays["anchor"], self._mesh.replicated)
+    self._outer_state = jax.device_put(arrays["outer_state"], self._mesh.replicated)
+    self._results = {
+        p: ([jax.device_put(model["params"], r.device) for r in self.replicas],
+            [jax.device_put(model["state"], r.device) for r in self.replicas])
+        for p, model in zip(meta["result_periods"], arrays["results"])}
+    self._contributions = {}
+    for (p, k), model in zip(meta["contribution_slots"], arrays["contributions"]):
+      self._contributions.setdefault(p, [None] * count)[k] = (list(model["params"]),
+                                                              list(model["state"]))
+    self._sync.restore(meta["periods_done"],
+                       {p: sum(m is not None for m in models)
+                        for p, models in self._contributions.items()})
 
 
 def _outer_tx(config: ml_collections.ConfigDict) -> optax.GradientTransformation | None:
@@ -177,6 +246,7 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
       seed=config.seed, bn_policy="mix", max_dispatch_ahead=config.layup.max_dispatch_ahead,
       straggler_device=config.straggler.device,
       straggler_delay_iters=config.straggler.delay_iters,
+      nonfinite_policy=config.faults.nonfinite,
       tau=config.baselines.tau, out_freq=config.baselines.out_freq,
       outer_tx=_outer_tx(config), lag=1 if config.algorithm == "co2" else 0,
   )

@@ -1,0 +1,185 @@
+"""Checkpoints of a whole run with Orbax, in `WORKDIR/checkpoints/<step>`.
+
+A checkpoint has two Orbax items: `arrays` (every device array the runtime needs: per-device
+params, BatchNorm state, Optax state, RNG key data, and what an algorithm adds) and `meta`
+(JSON: step counters, push-sum weights, peer RNG states, data iterator states, the config).
+Orbax writes a step into a temporary folder and renames it when complete, so a run killed while
+saving leaves the previous checkpoints as they were; a step that still fails to restore (a
+truncated or damaged file) is moved to `WORKDIR/checkpoints_unreadable/` with a warning and the
+one before it is used.
+"""
+
+import json
+import pathlib
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from layup_jax.errors import ConfigError, StorageError
+
+PyTree = Any
+# Keys that decide the shapes and structure of the saved arrays: a checkpoint written with other
+# values cannot be loaded into this run.
+STRUCTURAL_KEYS = ("algorithm", "model", "optimizer.name", "data.name")
+
+
+def tree_bytes(tree: PyTree) -> int:
+  return sum(int(np.prod(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def check_storage(workdir: pathlib.Path, checkpoint_bytes: int, keep: int) -> None:
+  """Fails before training when the workdir cannot be written or cannot hold the checkpoints.
+
+  Orbax writes a new checkpoint before it deletes the oldest, so `keep + 1` must fit.
+  """
+  directory = workdir / "checkpoints"
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / ".write_test"
+    probe.write_bytes(b"0" * 4096)
+    probe.unlink()
+  except OSError as error:
+    raise StorageError(f"the workdir {workdir} is not writable ({error.strerror or error}); "
+                       f"choose another --workdir") from error
+  needed = checkpoint_bytes * (keep + 1)
+  free = shutil.disk_usage(directory).free
+  if free < needed:
+    raise StorageError(
+        f"the checkpoints need about {needed / 2**20:.1f} MiB in {directory} ({keep} kept + 1 "
+        f"being written, {checkpoint_bytes / 2**20:.1f} MiB each) but only "
+        f"{free / 2**20:.1f} MiB are free; free space, lower checkpoint.keep, choose another "
+        f"--workdir, or set checkpoint.enabled=False")
+
+
+def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+  flat = {}
+  for key, value in config.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, dict):
+      flat.update(_flatten(value, f"{name}."))
+    else:
+      flat[name] = value
+  return flat
+
+
+def config_differences(saved_json: str, current_json: str) -> dict[str, tuple[Any, Any]]:
+  """`{key: (saved, current)}` for every config value that differs."""
+  saved, current = _flatten(json.loads(saved_json)), _flatten(json.loads(current_json))
+  return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
+          if saved.get(k) != current.get(k)}
+
+
+def check_compatible(saved_json: str, current_json: str, where: pathlib.Path) -> None:
+  """ConfigError if the checkpoint cannot resume this config; a warning for other changes."""
+  differences = config_differences(saved_json, current_json)
+  structural = {k: v for k, v in differences.items()
+                if any(k == s or k.startswith(f"{s}.") for s in STRUCTURAL_KEYS)}
+  if structural:
+    key, (saved, current) = next(iter(structural.items()))
+    raise ConfigError(
+        f"the checkpoint in {where} was written with {key}={saved!r} (this run: {current!r}), "
+        f"which changes what is saved; resume with the config it was written with, or use "
+        f"another --workdir to start afresh")
+  changed = [k for k in differences if k not in ("restore", "progress_bar")]
+  if changed:
+    logging.warning("resuming from %s with a config that differs in %s", where,
+                    ", ".join(f"{k} ({differences[k][0]!r} -> {differences[k][1]!r})"
+                              for k in changed))
+
+
+class Checkpoints:
+  """The run's Orbax CheckpointManager: asynchronous saves, the last `keep` kept."""
+
+  def __init__(self, directory: pathlib.Path, keep: int, async_save: bool = True):
+    self.directory = directory.absolute()
+    self._keep, self._async = keep, async_save
+    self._manager = self._open()
+
+  def _open(self) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=self._keep, enable_async_checkpointing=self._async, create=True,
+        cleanup_tmp_directories=True)
+    return ocp.CheckpointManager(self.directory, options=options)
+
+  def steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def save(self, step: int, arrays: PyTree, meta: dict[str, Any]) -> None:
+    """Starts saving; returns once the arrays are copied off the devices (they may change)."""
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)), force=True)
+    except Exception as error:
+      raise self._save_error(step, error) from error
+
+  def wait(self) -> None:
+    """Blocks until every started save is on disk."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as error:
+      raise self._save_error(self._manager.latest_step(), error) from error
+
+  def _save_error(self, step, error: BaseException) -> StorageError:
+    previous = [s for s in self.steps() if s != step]
+    kept = f"checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+    return StorageError(f"saving checkpoint {step} in {self.directory} failed "
+                        f"({type(error).__name__}: {str(error).splitlines()[0][:300]}); {kept}")
+
+  def restore(self, template_of: Callable[[dict], PyTree], step: int | None = None,
+              quarantine: bool = True) -> tuple[int, PyTree, dict] | None:
+    """The newest readable checkpoint (or `step`) as `(step, arrays, meta)`, None if there is
+    none. `template_of(meta)` gives the arrays' shapes and target devices (and may raise
+    ConfigError for an incompatible checkpoint). Unreadable steps are skipped with a warning and,
+    with `quarantine`, moved aside so that their step numbers can be saved again."""
+    candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
+    unreadable = []
+    try:
+      for candidate in candidates:
+        try:
+          meta = self._manager.restore(candidate, args=ocp.args.Composite(
+              meta=ocp.args.JsonRestore()))["meta"]
+          template = template_of(meta)
+          arrays = self._manager.restore(candidate, args=ocp.args.Composite(
+              arrays=ocp.args.StandardRestore(template)))["arrays"]
+          return candidate, arrays, meta
+        except ConfigError:
+          raise
+        except Exception as error:  # noqa: BLE001 - any damage: try the previous step
+          first_line = (str(error).strip().splitlines() or [""])[0][:200]
+          logging.warning("checkpoint %s/%d is unreadable (%s: %s); trying the previous one",
+                          self.directory, candidate, type(error).__name__, first_line)
+          unreadable.append(candidate)
+      return None
+    finally:
+      if quarantine and unreadable:
+        self._quarantine(unreadable)
+
+  def _quarantine(self, steps: list[int]) -> None:
+    aside = self.directory.parent / f"{self.directory.name}_unreadable"
+    aside.mkdir(exist_ok=True)
+    for step in steps:
+      source = self.directory / str(step)
+      if source.exists():
+        shutil.move(source, aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    self._manager.close()
+    self._manager = self._open()
+
+  def close(self) -> None:
+    self._manager.close()
+
+
+def open_restore_path(path: str, keep: int) -> tuple[Checkpoints, int | None]:
+  """`--config.restore=PATH`: a checkpoints folder (its newest readable step) or one step's
+  folder in it. Read only: nothing there is moved."""
+  location = pathlib.Path(path).expanduser()
+  if not location.is_dir():
+    raise ConfigError(f"config.restore={path!r}: no such checkpoint folder")
+  if location.name.isdigit() and (location / "meta").exists():
+    return Checkpoints(location.parent, keep, async_save=False), int(location.name)
+  return Checkpoints(location, keep, async_save=False), None

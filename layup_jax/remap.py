@@ -1,0 +1,47 @@
+"""Replicas saved on M devices, resumed on M' devices, with the push-sum consensus unchanged.
+
+Push-sum's consensus is `sum_i w_i x_i / sum_i w_i`. Growing (M' > M), new device k takes old
+replica `k mod M` and an equal share of its weight; shrinking, new device k takes the push-sum
+average of old replicas `k, k + M', k + 2M', ...` and the sum of their weights. Either way the
+weighted sum of the replicas and the weight sum are those saved, so the consensus model is too.
+Optimizer states are averaged with the same weights (integer leaves, like step counts, take
+the largest). Host NumPy only: no devices, no threads.
+"""
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+def _weighted_mean(coefficients: np.ndarray, *leaves: np.ndarray) -> np.ndarray:
+  first = np.asarray(leaves[0])
+  if not jnp.issubdtype(first.dtype, jnp.floating):
+    return np.max(np.stack([np.asarray(leaf) for leaf in leaves]), axis=0)
+  total = sum(c * np.asarray(leaf, np.float64) for c, leaf in zip(coefficients, leaves))
+  return np.asarray(total).astype(first.dtype)
+
+
+def remap_replicas(replicas: Sequence[PyTree], weights: Sequence[float],
+                   num_devices: int) -> tuple[list[PyTree], list[float], list[int]]:
+  """`(replicas, weights, source)` for `num_devices` devices; `source[k]` is the old replica
+  whose identity (RNG keys, step counter) new device k inherits."""
+  old = len(replicas)
+  if num_devices >= old:
+    source = [k % old for k in range(num_devices)]
+    copies = collections.Counter(source)
+    return ([replicas[j] for j in source], [weights[j] / copies[j] for j in source], source)
+  groups = [list(range(k, old, num_devices)) for k in range(num_devices)]
+  merged, merged_weights = [], []
+  for group in groups:
+    group_weights = np.asarray([weights[j] for j in group], np.float64)
+    coefficients = group_weights / group_weights.sum()
+    merged.append(jax.tree.map(lambda *leaves, c=coefficients: _weighted_mean(c, *leaves),
+                               *[replicas[j] for j in group]))
+    merged_weights.append(float(group_weights.sum()))
+  return merged, merged_weights, [group[0] for group in groups]

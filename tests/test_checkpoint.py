@@ -1,0 +1,246 @@
+"""Checkpoint and resume: a stopped run continues where it stopped, and faults are named.
+
+DDP is deterministic, so a stopped and resumed run must reproduce the uninterrupted one; LayUp's
+thread interleaving is not, so a resumed runtime must hold exactly what was saved.
+"""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from layup_jax import checkpointing, pushsum, remap, runner
+from layup_jax.algorithms.periodic import PeriodicAveragingRuntime
+from layup_jax.checkpointing import Checkpoints
+from layup_jax.data.pipeline import Batch
+from layup_jax.errors import ConfigError, NonFiniteError, StorageError
+from layup_jax.metrics import read_metrics
+from tests.helpers import make_layup_runtime, mlp_model, plain_mlp
+
+
+class StopAfter:
+  """`should_stop` that turns true at its n-th call (DDP calls it once per step)."""
+
+  def __init__(self, calls: int):
+    self.calls, self.remaining = calls, calls
+
+  def __call__(self) -> bool:
+    self.remaining -= 1
+    return self.remaining < 0
+
+
+def _records(workdir, split):
+  return [r for r in read_metrics(workdir) if r["split"] == split]
+
+
+def test_ddp_stopped_and_resumed_reproduces_the_uninterrupted_run(tiny_config, tmp_path):
+  tiny_config.algorithm, tiny_config.num_devices = "ddp", 4
+  tiny_config.checkpoint.every = 0
+  whole = runner.run(tiny_config, tmp_path / "whole")
+  stopped = runner.run(tiny_config, tmp_path / "resumed", should_stop=StopAfter(9))
+  assert stopped["stopped"] and 0 < stopped["step"] < tiny_config.num_steps
+  assert stopped["checkpoint"].endswith(f"checkpoints/{stopped['step']}")
+  resumed = runner.run(tiny_config, tmp_path / "resumed")  # the same command again
+  assert resumed["resumed_from_step"] == stopped["step"]
+  for key in ("final_eval_accuracy", "final_eval_loss", "consensus_distance"):
+    np.testing.assert_allclose(resumed[key], whole[key], rtol=1e-6, atol=1e-7)
+  for split in ("train", "test"):
+    got, want = _records(tmp_path / "resumed", split), _records(tmp_path / "whole", split)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-6)
+
+  tiny_config.model.widths = (4, 8, 16)  # another model cannot resume from these checkpoints
+  with pytest.raises(ConfigError, match=r"model\.widths"):
+    runner.run(tiny_config, tmp_path / "resumed")
+
+
+def _host(tree):
+  return jax.tree.map(np.asarray, tree)
+
+
+def _assert_trees_equal(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _save_and_restore(runtime, fresh, directory, step=1):
+  checkpoints = Checkpoints(directory, keep=2)
+  arrays, meta = runtime.state_dict()
+  checkpoints.save(step, arrays, {"runtime": meta})
+  checkpoints.wait()
+  restored = checkpoints.restore(lambda m: fresh.restore_template(m["runtime"]))
+  checkpoints.close()
+  fresh.load_state_dict(restored[1], restored[2]["runtime"])
+  return restored
+
+
+def test_layup_resumes_with_the_replicas_opt_states_and_weights_it_saved(tmp_path):
+  runtime = make_layup_runtime(4, bn_policy="mix")
+  runtime.compile()
+  runtime.run_until(4 * 12, lambda done: None)  # threaded: weights are no longer uniform
+  saved_arrays, saved_meta = runtime.state_dict()
+  saved = _host(saved_arrays)
+  runtime.close()
+
+  fresh = make_layup_runtime(4, seed=1)  # other initial params, keys and peers
+  _save_and_restore(runtime, fresh, tmp_path / "checkpoints")
+  arrays, meta = fresh.state_dict()
+  _assert_trees_equal(_host(arrays), saved)
+  assert meta["weights"] == saved_meta["weights"] and meta["iterations"] == saved_meta["iterations"]
+  assert fresh.weight_sum() == pytest.approx(1.0, abs=1e-12)
+  for replica in fresh.replicas:  # every replica back on its own device
+    assert {d for leaf in jax.tree.leaves(replica.params) for d in leaf.devices()} == {
+        replica.device}
+  fresh.compile()
+  fresh.run_until(fresh.iterations_done() + 8, lambda done: None)
+  assert fresh.iterations_done() == 4 * 12 + 8
+  assert fresh.weight_sum() == pytest.approx(1.0, abs=1e-9)
+  fresh.close()
+
+
+def _consensus(replica_params, weights):
+  return pushsum.consensus([jax.tree.map(np.asarray, p) for p in replica_params],
+                           np.asarray(weights))
+
+
+@pytest.mark.parametrize("new_devices", [3, 8])  # fewer and more devices
+def test_a_changed_device_count_keeps_the_consensus_model(tmp_path, new_devices):
+  runtime = make_layup_runtime(4)
+  for k in range(3):  # scripted gossip: weights (1/8, 3/16, ...) differ
+    for i in range(4):
+      runtime.iterate_serial(i, (i + 1 + k) % 4)
+  arrays, meta = runtime.state_dict()
+  want = _consensus([r["params"] for r in _host(arrays)["replicas"]], meta["weights"])
+
+  fresh = make_layup_runtime(new_devices)
+  _save_and_restore(runtime, fresh, tmp_path / "checkpoints")
+  got = _consensus([r.params for r in fresh.replicas], fresh.weights.values)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert fresh.weight_sum() == pytest.approx(1.0, abs=1e-12)
+  assert [r.iteration for r in fresh.replicas] == [3] * new_devices  # each device's step counter
+  fresh.iterate_serial(0)  # and it trains on
+
+
+def test_remap_preserves_mass_and_weight_sum():
+  replicas = [{"w": np.full(3, float(i), np.float32), "count": np.int32(i)} for i in range(5)]
+  weights = [0.1, 0.3, 0.2, 0.25, 0.15]
+  mass = sum(w * r["w"] for w, r in zip(weights, replicas))
+  for m in (1, 2, 5, 7, 10):
+    new, new_weights, source = remap.remap_replicas(replicas, weights, m)
+    assert len(new) == len(new_weights) == len(source) == m
+    assert sum(new_weights) == pytest.approx(1.0)
+    np.testing.assert_allclose(sum(w * r["w"] for w, r in zip(new_weights, new)), mass,
+                               rtol=1e-6)
+
+
+def _co2():
+  return make_layup_runtime(4, model=plain_mlp(), runtime_class=PeriodicAveragingRuntime,
+                            tau=2, out_freq=4, lag=1,
+                            outer_tx=optax.sgd(0.5, momentum=0.5))
+
+
+def test_co2_resumed_mid_period_continues_exactly(tmp_path):
+  # Devices 0 and 1 past boundary 1 and one step into period 2, devices 2 and 3 still in period
+  # 1: boundary 1's average is pending, with contributions of two devices saved.
+  schedule_before = [0, 1, 0, 1, 0, 1, 2, 3]
+  schedule_after = [2, 3, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+  original = _co2()
+  for i in schedule_before:
+    original.iterate_serial(i)
+  fresh = _co2()  # the same data order (the runner restores it), but trained elsewhere
+  for i in range(4):
+    fresh.iterate_serial(i)
+  _save_and_restore(original, fresh, tmp_path / "checkpoints")
+  for mine, theirs in zip(fresh._train_batches, original._train_batches):
+    mine.set_state(theirs.get_state())
+  for i in schedule_after:
+    original.iterate_serial(i)
+    fresh.iterate_serial(i)
+  _assert_trees_equal(_host(fresh.state_dict()[0]), _host(original.state_dict()[0]))
+
+
+def test_a_truncated_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+  runtime = make_layup_runtime(2)
+  directory = tmp_path / "checkpoints"
+  checkpoints = Checkpoints(directory, keep=3)
+  for step in (1, 2):
+    runtime.iterate_serial(0)
+    arrays, meta = runtime.state_dict()
+    checkpoints.save(step, arrays, {"runtime": meta})
+  checkpoints.wait()
+  step_1 = _host(Checkpoints(directory, keep=3).restore(
+      lambda m: runtime.restore_template(m["runtime"]), step=1)[1])
+  for path in (directory / "2" / "arrays").rglob("*"):
+    if path.is_file() and path.stat().st_size > 0:
+      path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a half-written disk
+  with caplog.at_level("WARNING"):
+    step, arrays, _ = checkpoints.restore(lambda m: runtime.restore_template(m["runtime"]))
+  assert step == 1 and "checkpoints/2 is unreadable" in caplog.text
+  _assert_trees_equal(_host(arrays), step_1)
+  assert checkpoints.steps() == [1]  # step 2 moved aside, so it can be saved again
+  assert any((tmp_path / "checkpoints_unreadable").iterdir())
+  checkpoints.close()
+
+
+class _NaNAfter:
+  """A device's batches, with NaN inputs from the `after`-th on."""
+
+  def __init__(self, iterator, after: int):
+    self.iterator, self.after, self.count = iterator, after, 0
+
+  def __next__(self):
+    batch = next(self.iterator)
+    self.count += 1
+    if self.count > self.after:
+      batch = Batch(np.full_like(batch.inputs, np.nan), batch.targets)
+    return batch
+
+
+def test_an_injected_nan_stops_the_run_naming_device_stage_and_step():
+  runtime = make_layup_runtime(4, model=mlp_model())
+  runtime._train_batches[2] = _NaNAfter(runtime._train_batches[2], after=5)
+  runtime.compile()
+  with pytest.raises(NonFiniteError, match=r"on device 2 at its step \d+.*stage 2|stage 2 on "
+                                           r"device 2 at its step \d+"):
+    runtime.run_until(4 * 40, lambda done: None)
+
+
+def test_skipping_non_finite_steps_keeps_every_replica_finite():
+  runtime = make_layup_runtime(4, model=mlp_model(), nonfinite_policy="skip")
+  runtime._train_batches[2] = _NaNAfter(runtime._train_batches[2], after=5)
+  runtime.compile()
+  runtime.run_until(4 * 20, lambda done: None)
+  assert runtime.skipped_steps() >= 10  # device 2's steps from its 6th on (it may run ahead)
+  arrays, _ = runtime.state_dict()
+  assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(_host(arrays["replicas"])))
+  runtime.close()
+
+
+def test_an_unwritable_workdir_or_a_full_disk_fails_before_training(tiny_config, tmp_path,
+                                                                    monkeypatch):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  with pytest.raises(StorageError, match="workdir"):
+    runner.run(tiny_config, blocker / "run")
+  monkeypatch.setattr(checkpointing.shutil, "disk_usage",
+                      lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+  with pytest.raises(StorageError, match=r"MiB are free"):
+    runner.run(tiny_config, tmp_path / "run")
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_restore_starts_a_new_workdir_from_a_given_checkpoint(tiny_config, tmp_path):
+  tiny_config.num_devices, tiny_config.num_steps, tiny_config.eval_every = 2, 6, 0
+  runner.run(tiny_config, tmp_path / "first")
+  tiny_config.num_steps, tiny_config.restore = 8, str(tmp_path / "first" / "checkpoints" / "6")
+  summary = runner.run(tiny_config, tmp_path / "second")
+  assert summary["resumed_from_step"] == 6
+  assert json.loads((tmp_path / "second" / "summary.json").read_text())["num_steps"] == 8
+  tiny_config.restore = str(tmp_path / "nowhere")
+  with pytest.raises(ConfigError, match="config.restore"):
+    runner.run(tiny_config, tmp_path / "third")
