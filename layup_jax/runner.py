@@ -127,7 +127,13 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       writer.write(record)
     return record
 
+  saved_step = None
+
   def save(step: int) -> None:
+    nonlocal saved_step
+    if step == saved_step:
+      return
+    saved_step = step
     arrays, runtime_meta = runtime.state_dict()
     checkpoints.save(step, arrays, {
         "step": step, "train_time_s": train_time, "runtime": runtime_meta,
@@ -169,10 +175,12 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
           record = evaluate(step)
           bar.set_postfix(acc=f"{record['accuracy']:.3f}", loss=f"{record['loss']:.3f}")
         if target in checkpoint_at:
-          save(step)
+          start = time.perf_counter()
+          save(step)  # the time training waits for a save counts as training time
+          train_time += time.perf_counter() - start
     if stopped:
       if checkpoints is not None and step > start_step:
-        save(step)
+        save(step)  # unless this step's checkpoint was just saved
       if checkpoints is not None:
         checkpoints.wait()
       return {"stopped": True, "step": step, "num_steps": num_steps,

@@ -143,8 +143,9 @@ class PeriodSync:
   """Rendezvous of all devices at the end of each averaging period.
 
   Device i's `arrive(period)` counts it in; the last device to arrive runs `action(period)`
-  (before returning) and the period is then done. `wait_done(period)` blocks until it is, and
-  gives up with `_Stopped` when the runtime stops. Only this bookkeeping is locked.
+  (before returning) and the period is then done. `wait_until(predicate)` blocks until a
+  condition on the periods holds, and gives up with `_Stopped` when the runtime stops. Only this
+  bookkeeping is locked.
   """
 
   def __init__(self, num_devices: int, action: Callable[[int], None], stop: threading.Event):
@@ -164,9 +165,6 @@ class PeriodSync:
       self.done = period
       self._cond.notify_all()
       return True
-
-  def wait_done(self, period: int) -> None:
-    self.wait_until(lambda: self.done >= period)
 
   def wait_until(self, predicate: Callable[[], bool]) -> None:
     """Blocks until `predicate()` holds, re-checked at each `notify()` and completed period."""

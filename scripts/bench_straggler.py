@@ -41,6 +41,7 @@ def main() -> None:
         config = base.get_config()
         config.algorithm, config.num_devices = algorithm, args.num_devices
         config.num_steps, config.eval_every, config.progress_bar = args.num_steps, 0, False
+        config.checkpoint.enabled = False
         config.straggler.device = args.straggler if delay > 0 else -1
         config.straggler.delay_iters = delay
         with tempfile.TemporaryDirectory() as workdir:

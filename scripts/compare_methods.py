@@ -39,6 +39,7 @@ def method_config(method: str, seed: int, args):
   config.algorithm, config.seed = method, seed
   config.num_devices, config.num_epochs = args.num_devices, args.num_epochs
   config.eval_every, config.progress_bar = args.eval_every, False
+  config.checkpoint.enabled = False  # measured runs: no checkpoint saves
   if method == "diloco":
     config.optimizer.name, config.optimizer.learning_rate = "adamw", 3e-3
     config.optimizer.weight_decay = 1e-4

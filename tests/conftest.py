@@ -1,12 +1,18 @@
 """8 fake CPU devices for every test; set before JAX is first imported."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8"]
 )
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Tests build many runtimes whose per-stage functions compile to the same programs; a persistent
+# compilation cache (shared by xdist workers and the CLI subprocesses) compiles each once.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), "layup_jax_test_compilation_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax
 import pytest

@@ -1,4 +1,4 @@
-"""The runner end to end: records a user can plot, for both algorithms, and a clean Ctrl-C."""
+"""The runner end to end: records a user can plot, for both algorithms; a signal saves and stops."""
 
 import json
 import os
@@ -38,19 +38,20 @@ def test_a_run_writes_metrics_and_summary_and_learns(tiny_config, tmp_path, algo
 STOP_BOUND_S = 10
 
 
-def test_ctrl_c_stops_every_thread_within_seconds(tmp_path):
-  # A terminal's Ctrl-C. pytest-xdist workers ignore SIGINT, and an ignored signal stays ignored
-  # in a child; any handler here instead makes the child start with the default disposition.
-  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+def _train_command(workdir, num_steps):
+  return [sys.executable, "-m", "layup_jax.train", "--config", "configs/digits.py",
+          "--config.model.widths=(4,8,8)", "--config.num_devices=2",
+          f"--config.num_steps={num_steps}", "--config.eval_every=0",
+          "--config.progress_bar=False", f"--workdir={workdir}"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_a_checkpoint_and_exits_0_within_seconds(tmp_path, signum):
+  # Preemption (SIGTERM) or a terminal's Ctrl-C (SIGINT), in the middle of training.
   process = subprocess.Popen(
-      [sys.executable, "-m", "layup_jax.train", "--config", "configs/digits.py",
-       "--config.model.widths=(4,8,8)", "--config.num_devices=2", "--config.num_steps=100000",
-       "--config.eval_every=0",
-       f"--workdir={tmp_path}"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT dumps every thread's stack
+      _train_command(tmp_path, 100000), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT dumps every stack
   )
-  signal.signal(signal.SIGINT, previous)
   metrics = tmp_path / "metrics.jsonl"
   deadline = time.monotonic() + 240
   while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:
@@ -58,13 +59,25 @@ def test_ctrl_c_stops_every_thread_within_seconds(tmp_path):
   assert metrics.exists(), process.communicate(timeout=5)
   time.sleep(2.0)
   sent = time.monotonic()
-  process.send_signal(signal.SIGINT)
+  process.send_signal(signum)
   try:
-    _, stderr = process.communicate(timeout=STOP_BOUND_S)
+    stdout, stderr = process.communicate(timeout=STOP_BOUND_S)
   except subprocess.TimeoutExpired:
     process.send_signal(signal.SIGABRT)
     _, stderr = process.communicate(timeout=30)
-    pytest.fail(f"the run did not stop within {STOP_BOUND_S} s of Ctrl-C; its threads:\n"
+    pytest.fail(f"the run did not stop within {STOP_BOUND_S} s of the signal; its threads:\n"
                 f"{stderr[-8000:]}")
   assert time.monotonic() - sent < STOP_BOUND_S
-  assert process.returncode != 0 and "KeyboardInterrupt" in stderr
+  assert process.returncode == 0, stderr[-3000:]
+  saved = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+  assert len(saved) == 1 and saved[0] > 0
+  assert f"stopped by {signal.Signals(signum).name} at step {saved[0]}" in stdout
+  if signum != signal.SIGTERM:
+    return
+  # Resumed (to a nearer end than the first command's, to keep the test short).
+  resumed = subprocess.run(_train_command(tmp_path, saved[0] + 10), capture_output=True,
+                           text=True, timeout=300, check=False)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resumed from the checkpoint {tmp_path}/checkpoints/{saved[0]}" in resumed.stderr
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["resumed_from_step"] == saved[0] and summary["num_steps"] == saved[0] + 10
