@@ -138,7 +138,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     checkpoints.save(step, arrays, {
         "step": step, "train_time_s": train_time, "runtime": runtime_meta,
         "data": [iterator.get_state() for iterator in dataset.train],
-        "config": config.to_json_best_effort(), "saved_at": time.time()})
+        "config": config.to_json_best_effort(), "saved_at": time.time()},
+        arrays_stay_valid=not runtime.donates_buffers)
 
   try:
     if config.checkpoint.enabled:

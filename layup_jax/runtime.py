@@ -188,6 +188,8 @@ class PeriodSync:
 class LayUpRuntime:
   """LayUp on the given devices, threaded, or one iteration at a time with `iterate_serial`."""
 
+  donates_buffers = False  # arrays are replaced, never donated: a checkpoint may read them later
+
   def __init__(
       self,
       model: StagedModel,
@@ -450,9 +452,10 @@ class LayUpRuntime:
         self._position["updater", i] = stage
         self._on_stage(i, context, stage, grads)
       self._position["updater", i] = None
-      self._end_iteration(i, context, self._budget.finish, wait=True)
       self._updates_done[i] += 1
       self._check_finite(i, before=self._updates_done[i] - 1)  # the previous iteration's
+      # Last: once the iteration is marked finished the main thread may read this device.
+      self._end_iteration(i, context, self._budget.finish, wait=True)
 
   def _start_threads(self) -> None:
     for role, loop in (("compute", self._compute_loop), ("updater", self._updater_loop)):
@@ -564,6 +567,7 @@ class LayUpRuntime:
       replica.params, replica.state = list(tree["params"]), list(tree["state"])
       replica.opt_state = list(tree["opt_state"])
       replica.iteration = int(meta["iterations"][source[k]])
+      self._updates_done[k] = replica.iteration
       if k < saved:  # a device that existed keeps its keys, peer RNG and clock
         replica.stage_keys = [jax.device_put(jax.random.wrap_key_data(d), replica.device)
                               for d in arrays["stage_keys"][k]]

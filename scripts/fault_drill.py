@@ -8,8 +8,9 @@ without interruption, then again in another workdir where the command is killed 
 and re-run after each kill, as a cluster's restart policy would. Reports:
 
   runs            processes started for the interrupted run (kills + the one that finished)
-  checkpoints lost  committed checkpoints (a step folder Orbax had renamed into place before
-                  the kill) that the next run could not resume from: it must be 0
+  checkpoints lost  runs that, once past restoring, did not resume from the newest committed
+                  checkpoint (a step folder Orbax had renamed into place before the previous
+                  kill): it must be 0
   accuracy        final consensus test accuracy, interrupted versus uninterrupted
 
 and writes them to `--json`. All runs share a persistent compilation cache, so a restart
@@ -66,12 +67,14 @@ def main() -> None:
   parser.add_argument("--seed", type=int, default=0, help="training seed and kill-time seed")
   parser.add_argument("--workdir", default="runs/fault_drill")
   parser.add_argument("--json", default="runs/fault_drill/fault_drill.json")
+  parser.add_argument("--cache-dir", default="",
+                      help="persistent compilation cache (default: a new temporary folder)")
   args = parser.parse_args()
   rng = np.random.default_rng(args.seed)
   root = pathlib.Path(args.workdir)
   shutil.rmtree(root, ignore_errors=True)
-  root.mkdir(parents=True)
-  env = _env(tempfile.mkdtemp(prefix="layup_jax_drill_cache_"))
+  root.mkdir(parents=True, exist_ok=True)
+  env = _env(args.cache_dir or tempfile.mkdtemp(prefix="layup_jax_drill_cache_"))
 
   start = time.monotonic()
   subprocess.run(_command(root / "uninterrupted", args), env=env, check=True,
@@ -100,12 +103,16 @@ def main() -> None:
     _, stderr = process.communicate()
     resumed = re.search(r"resumed from the checkpoint \S+/(\d+) ", stderr)
     resumed_step = int(resumed.group(1)) if resumed else 0
-    if before and resumed_step < before[-1]:
-      lost += 1  # the newest committed checkpoint was not usable
-    events.append({"run": runs, "resumed_from": resumed_step, "killed_after_s": killed_at,
+    # Judged once a run got past restoring: it printed where it resumed from, or it finished.
+    restored = resumed is not None or killed_at is None
+    if restored and before and resumed_step != before[-1]:
+      lost += 1  # the newest committed checkpoint was not the one resumed from
+    events.append({"run": runs, "restored": restored, "resumed_from": resumed_step,
+                   "killed_after_s": killed_at,
                    "committed_before": before, "committed_after": _committed(drill),
                    "returncode": process.returncode})
-    print(f"run {runs}: resumed from step {resumed_step}, "
+    print(f"run {runs}: " + (f"resumed from step {resumed_step}, " if restored
+                             else "killed before restoring, ")
           + (f"killed after {killed_at:.1f} s" if killed_at else
              f"exited {process.returncode}") + f", checkpoints now {_committed(drill)}")
     if killed_at is None:

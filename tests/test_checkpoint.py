@@ -164,7 +164,7 @@ def test_co2_resumed_mid_period_continues_exactly(tmp_path):
   _assert_trees_equal(_host(fresh.state_dict()[0]), _host(original.state_dict()[0]))
 
 
-def test_a_truncated_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+def test_partial_and_truncated_checkpoints_fall_back_to_the_previous_one(tmp_path, caplog):
   runtime = make_layup_runtime(2)
   directory = tmp_path / "checkpoints"
   checkpoints = Checkpoints(directory, keep=3)
@@ -175,9 +175,14 @@ def test_a_truncated_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog)
   checkpoints.wait()
   step_1 = _host(Checkpoints(directory, keep=3).restore(
       lambda m: runtime.restore_template(m["runtime"]), step=1)[1])
+  partial = directory / "3.orbax-checkpoint-tmp-1700000000"  # a save killed before its rename
+  (partial / "arrays").mkdir(parents=True)
+  (partial / "arrays" / "half_written").write_bytes(b"\0" * 10)
   for path in (directory / "2" / "arrays").rglob("*"):
     if path.is_file() and path.stat().st_size > 0:
       path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a half-written disk
+  checkpoints.close()
+  checkpoints = Checkpoints(directory, keep=3)  # as the next run opens them
   with caplog.at_level("WARNING"):
     step, arrays, _ = checkpoints.restore(lambda m: runtime.restore_template(m["runtime"]))
   assert step == 1 and "checkpoints/2 is unreadable" in caplog.text

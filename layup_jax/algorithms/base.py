@@ -37,6 +37,8 @@ class Runtime(Protocol):
   pass on its own batch, so a synchronous step over M devices is M iterations.
   """
 
+  donates_buffers: bool  # whether training donates (deletes) arrays a state_dict references
+
   def compile(self) -> None:
     """Compiles every function the training loop calls, on every device."""
 

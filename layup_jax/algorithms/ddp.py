@@ -45,6 +45,8 @@ def train_step(model: StagedModel, tx: optax.GradientTransformation, params, sta
 class DDPRuntime:
   """The synchronous baseline behind the same interface as LayUp's runtime."""
 
+  donates_buffers = True  # each step donates params, state and Optax state
+
   def __init__(self, model, tx, devices, train_batches, params, state, example_batch, *,
                seed: int, straggler_delay_iters: float = 0.0, nonfinite_policy: str = "stop"):
     self.num_devices = len(devices)
