@@ -108,6 +108,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.faults = ml_collections.ConfigDict()
   config.faults.nonfinite = "stop"
 
+  # Run-level measurements in summary.json (time to convergence is always reported).
+  config.metrics = ml_collections.ConfigDict()
+  config.metrics.target_accuracy = 0.0  # time to this test accuracy (TTA); 0 = not measured
+  config.metrics.target_perplexity = 0.0  # language models: time to this test perplexity
+
   config.progress_bar = True  # tqdm bar on stderr while training
   return config
 

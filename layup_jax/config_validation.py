@@ -86,7 +86,8 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("layup.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
       ("model.num_classes", 1), ("model.vocab_size", 1), ("model.max_len", 1),
       ("model.hidden_size", 1), ("model.num_layers", 1), ("model.dropout", 0),
-      ("checkpoint.every", 0), ("checkpoint.keep", 1),
+      ("checkpoint.every", 0), ("checkpoint.keep", 1), ("metrics.target_accuracy", 0),
+      ("metrics.target_perplexity", 0),
   ]
   for key, bound in checks:
     _at_least(config, key, bound)

@@ -26,10 +26,13 @@ class MetricsWriter:
     with self._path.open("w") as f:
       f.writelines(json.dumps(r) + "\n" for r in kept)
     self._file = self._path.open("a")
+    self.records: list[dict[str, Any]] = kept  # every record of the run, as written
 
   def write(self, record: dict[str, Any]) -> None:
-    self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+    record = {k: _clean(v) for k, v in record.items()}
+    self._file.write(json.dumps(record) + "\n")
     self._file.flush()
+    self.records.append(record)
 
   def write_summary(self, summary: dict[str, Any]) -> None:
     text = json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2)

@@ -16,7 +16,7 @@ import ml_collections
 import tqdm
 from absl import logging
 
-from layup_jax import algorithms, checkpointing, data, models, optim
+from layup_jax import algorithms, checkpointing, data, flops, measurements, models, optim
 from layup_jax.checkpointing import Checkpoints, check_compatible
 from layup_jax.config_validation import resolve_num_steps, validate_config
 from layup_jax.errors import ConfigError, StorageError
@@ -112,6 +112,11 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
   evaluator = Evaluator(model, dataset.test, devices[0])
   checkpoints, writer = None, None
   start_step, train_time = 0, 0.0
+  flops_per_iteration, peak = None, flops.peak_flops(devices[0])
+
+  def throughput() -> dict[str, Any]:
+    return measurements.throughput(runtime.iterations_per_device(), config.data.batch_size,
+                                   train_time, flops_per_iteration, peak)
 
   def evaluate(step: int, write: bool = True) -> dict[str, Any]:
     train_loss = runtime.train_loss()
@@ -119,7 +124,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     if step > 0 and write:
       writer.write({**common, "split": "train", "loss": train_loss,
                     "samples_per_s": runtime.iterations_done() * config.data.batch_size
-                    / max(train_time, 1e-9), "skipped_steps": runtime.skipped_steps()})
+                    / max(train_time, 1e-9), **throughput(),
+                    "skipped_steps": runtime.skipped_steps()})
     record = {**common, "split": "test", **evaluator.evaluate(runtime.snapshot())}
     if dataset.kind == "language_model":  # accuracy is next-token accuracy
       record["perplexity"] = math.exp(min(record["loss"], 50.0))
@@ -152,6 +158,11 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         start_step, train_time = restored
     writer = MetricsWriter(workdir, keep_through_step=start_step if start_step else None)
     runtime.compile()
+    try:
+      flops_per_iteration = runtime.flops_per_iteration()
+    except Exception as error:  # noqa: BLE001 - a missing count must not stop training
+      logging.warning("no FLOP count for this run (%s: %s); MFU is not reported",
+                      type(error).__name__, error)
     record = evaluate(0) if start_step == 0 else None
     checkpoint_at = set(_checkpoint_steps(num_steps, config.checkpoint.every)
                         if checkpoints else [])
@@ -213,6 +224,14 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       "train_samples_per_s": runtime.iterations_done() * config.data.batch_size
                              / max(train_time, 1e-9),
       "skipped_steps": runtime.skipped_steps(),
+      "flops_per_iteration": flops_per_iteration,
+      "peak_flops": peak,
+      **throughput(),
+      **measurements.run_measurements(
+          writer.records, language_model=dataset.kind == "language_model",
+          target=(config.metrics.target_perplexity if dataset.kind == "language_model"
+                  else config.metrics.target_accuracy),
+          steps_per_epoch=dataset.steps_per_epoch),
       "resumed_from_step": start_step,
       "straggler_device": config.straggler.device,
       "straggler_delay_iters": config.straggler.delay_iters,

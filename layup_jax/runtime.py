@@ -35,7 +35,7 @@ import jax
 import numpy as np
 import optax
 
-from layup_jax import nonfinite, pushsum, remap
+from layup_jax import flops, nonfinite, pushsum, remap
 from layup_jax.algorithms.base import IterationClock, Snapshot, mean_or_nan
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import NonFiniteError
@@ -523,6 +523,19 @@ class LayUpRuntime:
 
   def skipped_steps(self) -> int:
     return sum(self._skipped)
+
+  def iterations_per_device(self) -> list[int]:
+    return [r.iteration for r in self.replicas]
+
+  def flops_per_iteration(self) -> float:
+    """XLA's FLOPs of one device's iteration (stage functions and updates; no gossip)."""
+    replica = self.replicas[0]
+    example = jax.device_put((self._example_batch.inputs, self._example_batch.targets),
+                             replica.device)
+    return flops.staged_flops(
+        self._model, self._steps, self._update, replica.params, list(replica.state),
+        replica.opt_state, Batch(*example), jax.device_put(jax.random.key(0), replica.device),
+        jax.device_put(np.int32(0), replica.device))
 
   # --- checkpoints (at a consistent point: every thread idle between iterations) --------------
 

@@ -32,12 +32,8 @@ from layup_jax import data, models, optim, stages
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
 from layup_jax.data.pipeline import Batch
+from layup_jax.flops import PEAK_FLOPS, compiled, flops_of, staged_flops
 from layup_jax.runtime import LayUpRuntime, local_update
-
-# Dense bf16 peak FLOP/s by device kind (vendor figures); CPUs have none, so no MFU there.
-PEAK_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA H100": 989e12,
-              "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
-              "NVIDIA A100 80GB PCIe": 312e12}
 
 CASES = {
     "digits": {"data.batch_size": 16},
@@ -76,34 +72,6 @@ def synthetic_batches(config, extras, seed: int):
       size = extras["input_size"]
       yield Batch(rng.normal(size=(batch, size, size, 3)).astype(np.float32),
                   rng.integers(0, model.num_classes, batch).astype(np.int32))
-
-
-def flops_of(compiled) -> float:
-  analysis = compiled.cost_analysis()
-  if isinstance(analysis, (list, tuple)):  # older jax returns one dict per computation
-    analysis = analysis[0]
-  return float(analysis.get("flops", 0.0))
-
-
-def staged_flops(model, steps, update, params, state, opt_state, batch, key, iteration) -> float:
-  """FLOPs of one staged iteration: every stage function's compiled cost, summed."""
-  total = [0.0]
-
-  def counted(fn):
-    def call(*args):
-      total[0] += flops_of(fn.lower(*args).compile())
-      return fn(*args)
-    return call
-
-  counted_steps = stages.StageSteps(
-      forward=tuple(map(counted, steps.forward)), loss=counted(steps.loss),
-      backward=tuple(map(counted, steps.backward)),
-      add_tied={s: counted(f) for s, f in steps.add_tied.items()})
-  _, grads, _ = stages.staged_value_and_grad(model, counted_steps, params, state, batch.inputs,
-                                             batch.targets, key, iteration)
-  for s, stage_grads in enumerate(grads):
-    total[0] += flops_of(update.lower(params[s], opt_state[s], stage_grads).compile())
-  return total[0]
 
 
 def transformer_flops(config, params, batch: int, seq_len: int) -> float | None:
@@ -146,7 +114,8 @@ def bench_case(case: str, repeats: int, iters: int) -> dict:
   inputs = Batch(*jax.device_put((example.inputs, example.targets), device))
   flops_staged = staged_flops(model, stages.make_stage_steps(model),
                               jax.jit(functools.partial(local_update, tx)), replica.params,
-                              replica.state, replica.opt_state, inputs, key, iteration)
+                              replica.state, replica.opt_state, inputs, key, iteration,
+                              analyse=compiled)
 
   fused_step = jax.jit(functools.partial(ddp.train_step, model, tx), donate_argnums=(0, 1, 2))
   fused = {"carry": jax.device_put((params, state, tx.init(params)), device), "i": 0}
@@ -157,7 +126,7 @@ def bench_case(case: str, repeats: int, iters: int) -> dict:
     batch = next(train)
     batch = Batch(*jax.device_put((batch.inputs, batch.targets), device))
     step_idx = jax.device_put(np.int32(fused["i"]), device)
-    *carry, loss = fused_step(*fused["carry"], batch.inputs, batch.targets, key, step_idx)
+    *carry, loss, _ = fused_step(*fused["carry"], batch.inputs, batch.targets, key, step_idx)
     fused["carry"], fused["i"] = tuple(carry), fused["i"] + 1
     float(loss)
 

@@ -59,6 +59,12 @@ class Runtime(Protocol):
 
   def weight_sum(self) -> float: ...
 
+  def iterations_per_device(self) -> list[int]:
+    """Iterations each device has done (a straggler does fewer under LayUp)."""
+
+  def flops_per_iteration(self) -> float:
+    """XLA's FLOP count of one device's iteration."""
+
   def skipped_steps(self) -> int:
     """Iterations whose update was skipped for a non-finite gradient (`faults.nonfinite`)."""
 

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from layup_jax import nonfinite
+from layup_jax import flops, nonfinite
 from layup_jax.algorithms.base import IterationClock, Snapshot, init_model, mean_or_nan
 from layup_jax.data import Dataset
 from layup_jax.errors import NonFiniteError
@@ -137,6 +137,14 @@ class DDPRuntime:
 
   def skipped_steps(self) -> int:
     return self._skipped
+
+  def iterations_per_device(self) -> list[int]:
+    return [self._steps_done] * self.num_devices
+
+  def flops_per_iteration(self) -> float:
+    """XLA's FLOPs of the compiled step over the global batch, per device (call `compile()`
+    first)."""
+    return flops.flops_of(self._step) / self.num_devices
 
   # --- checkpoints: one replicated model, so a changed device count only re-shards it ---------
 

@@ -1,0 +1,66 @@
+"""FLOPs per iteration from XLA's cost analysis, and model FLOPs utilization (MFU).
+
+XLA counts the FLOPs of a lowered or compiled program (`cost_analysis()`); the staged step's
+count is the sum over its stage functions and per-stage optimizer updates. XLA leaves out work
+done in library calls (cuDNN convolutions, some cuBLAS GEMMs), so on GPUs the count, and the
+MFU computed from it, can be low; `scripts/bench_step.py` prints a 6NT estimate beside it for
+GPT-2. Peaks are dense bf16 vendor figures by `device_kind`; CPUs have none, so no MFU there.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from layup_jax import stages
+
+PEAK_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA H100": 989e12,
+              "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
+              "NVIDIA A100 80GB PCIe": 312e12}
+
+
+def peak_flops(device: jax.Device) -> float | None:
+  """The device's peak FLOP/s, or None when the table does not know its kind."""
+  return PEAK_FLOPS.get(device.device_kind)
+
+
+def flops_of(lowered_or_compiled: Any) -> float:
+  """XLA's FLOP count of a `jax.stages.Lowered` or `Compiled` program."""
+  analysis = lowered_or_compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # older jax returns one dict per computation
+    analysis = analysis[0]
+  return float((analysis or {}).get("flops", 0.0))
+
+
+def lowered(fn, *args) -> Any:
+  return fn.lower(*args)
+
+
+def compiled(fn, *args) -> Any:
+  return fn.lower(*args).compile()
+
+
+def staged_flops(model: stages.StagedModel, steps: stages.StageSteps, update: Callable, params,
+                 state, opt_state, batch, key, iteration, analyse: Callable = lowered) -> float:
+  """FLOPs of one staged iteration on one device: every stage function's cost, summed.
+
+  Runs the staged pass once on the given arrays to get each function's arguments; `analyse`
+  is `lowered` (cheap: no compilation) or `compiled` (XLA's optimized program).
+  """
+  total = [0.0]
+
+  def counted(fn):
+    def call(*args):
+      total[0] += flops_of(analyse(fn, *args))
+      return fn(*args)
+    return call
+
+  counted_steps = stages.StageSteps(
+      forward=tuple(map(counted, steps.forward)), loss=counted(steps.loss),
+      backward=tuple(map(counted, steps.backward)),
+      add_tied={s: counted(f) for s, f in steps.add_tied.items()})
+  _, grads, _ = stages.staged_value_and_grad(model, counted_steps, params, state, batch.inputs,
+                                             batch.targets, key, iteration)
+  for s, stage_grads in enumerate(grads):
+    total[0] += flops_of(analyse(update, params[s], opt_state[s], stage_grads))
+  return total[0]

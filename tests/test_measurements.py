@@ -1,0 +1,78 @@
+"""The paper's measurements: time to target and to convergence, throughput per device, MFU."""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from layup_jax import flops, measurements, runner, stages
+from layup_jax.algorithms import ddp
+from layup_jax.data.pipeline import Batch
+from layup_jax.metrics import read_metrics
+from layup_jax.runtime import local_update
+from tests.helpers import plain_mlp
+
+RECORDS = [
+    {"split": "test", "step": 0, "time_s": 0.0, "accuracy": 0.1, "perplexity": 90.0},
+    {"split": "train", "step": 10, "time_s": 1.0, "accuracy": 0.99},  # not a test record
+    {"split": "test", "step": 10, "time_s": 1.0, "accuracy": 0.6, "perplexity": 20.0},
+    {"split": "test", "step": 20, "time_s": 2.5, "accuracy": 0.8, "perplexity": 9.0},
+    {"split": "test", "step": 30, "time_s": 4.0, "accuracy": 0.75, "perplexity": 9.5},
+]
+
+
+def test_time_to_target_and_to_convergence_take_the_first_evaluation_that_reaches_them():
+  tests = [r for r in RECORDS if r["split"] == "test"]
+  assert measurements.time_to_target(tests, 0.6) == {"time_s": 1.0, "step": 10}
+  assert measurements.time_to_target(tests, 0.81) is None
+  assert measurements.time_to_target(tests, 10.0, "perplexity", higher_is_better=False) == {
+      "time_s": 2.5, "step": 20}
+  summary = measurements.run_measurements(RECORDS, language_model=False, target=0.7,
+                                          steps_per_epoch=5)
+  assert summary["best_eval_accuracy"] == 0.8 and summary["time_to_convergence_s"] == 2.5
+  assert summary["convergence_epoch"] == 4.0
+  assert summary["time_to_target_s"] == 2.5 and summary["target_step"] == 20
+  lm = measurements.run_measurements(RECORDS, language_model=True, target=5.0, steps_per_epoch=5)
+  assert lm["best_eval_perplexity"] == 9.0 and lm["time_to_target_s"] is None
+
+
+def test_staged_flops_equal_the_fused_step_flops():
+  # The staged backward reuses each stage's VJP residuals: nothing is recomputed.
+  model, tx = plain_mlp((32, 32)), optax.sgd(0.1, momentum=0.9)
+  inputs = np.random.default_rng(0).normal(size=(16, 8, 8)).astype(np.float32)
+  batch = Batch(inputs, np.arange(16, dtype=np.int32) % 10)
+  params, state = model.init(jax.random.key(0), batch.inputs)
+  opt_state = [tx.init(p) for p in params]
+  key, iteration = jax.random.key(1), np.int32(0)
+  staged = flops.staged_flops(model, stages.make_stage_steps(model),
+                              jax.jit(functools.partial(local_update, tx)), params, state,
+                              opt_state, batch, key, iteration)
+  fused = flops.flops_of(jax.jit(functools.partial(ddp.train_step, model, tx)).lower(
+      params, state, tx.init(params), batch.inputs, batch.targets, key, iteration))
+  # Matmul FLOPs: forward, weight gradients, and input gradients except stage 0's (dropped).
+  analytic = 2 * 16 * (3 * (32 * 32 + 32 * 10) + 2 * 64 * 32)
+  assert staged == pytest.approx(fused, rel=0.05)
+  assert analytic <= staged <= 1.3 * analytic
+
+
+def test_a_run_reports_throughput_per_device_mfu_and_time_to_target(tiny_config, tmp_path,
+                                                                   monkeypatch):
+  monkeypatch.setitem(flops.PEAK_FLOPS, jax.devices()[0].device_kind, 1e11)  # a made-up peak
+  tiny_config.num_devices, tiny_config.eval_every = 4, 5
+  tiny_config.metrics.target_accuracy = 0.3
+  summary = runner.run(tiny_config, tmp_path)
+  tests = [r for r in read_metrics(tmp_path) if r["split"] == "test"]
+  first = next(r for r in tests if r["accuracy"] >= 0.3)
+  assert summary["time_to_target_s"] == first["time_s"] and summary["target_step"] == first["step"]
+  best = max(r["accuracy"] for r in tests)
+  assert summary["best_eval_accuracy"] == best
+  assert summary["time_to_convergence_s"] == next(r for r in tests
+                                                  if r["accuracy"] == best)["time_s"]
+  per_device = summary["device_samples_per_s"]
+  assert len(per_device) == 4 and all(v > 0 for v in per_device)
+  np.testing.assert_allclose(sum(per_device), summary["train_samples_per_s"], rtol=1e-6)
+  assert summary["flops_per_iteration"] > 0
+  np.testing.assert_allclose(summary["mfu"], summary["tflops_per_s_per_device"] * 1e12 / 1e11,
+                             rtol=1e-9)
