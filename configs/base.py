@@ -76,6 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.layup = ml_collections.ConfigDict()
   config.layup.bn_policy = "mix"  # BatchNorm running statistics under gossip: "mix" or "local"
   config.layup.max_dispatch_ahead = 1  # iterations a compute thread may run ahead of its device
+  config.layup.gossip = True  # False: local steps only (LayUp, GoSGD, AD-PSGD), to time gossip
 
   # The periodic-averaging baselines (layup_jax/algorithms/periodic.py), named as in the paper.
   config.baselines = ml_collections.ConfigDict()

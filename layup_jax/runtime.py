@@ -206,6 +206,7 @@ class LayUpRuntime:
       straggler_device: int = -1,
       straggler_delay_iters: float = 0.0,
       nonfinite_policy: str = "stop",
+      gossip: bool = True,
   ):
     if bn_policy not in BN_POLICIES:
       raise ValueError(f"bn_policy must be one of {BN_POLICIES}, got {bn_policy!r}")
@@ -223,6 +224,7 @@ class LayUpRuntime:
                                              skip_nonfinite=self._skip_nonfinite))
     self._merge = jax.jit(pushsum.merge)
     self._ahead = max_dispatch_ahead
+    self._gossip = gossip  # False: local steps only, no peer (an ablation of communication)
     base_key = jax.random.key(seed)
     self.replicas = [
         Replica(
@@ -278,7 +280,7 @@ class LayUpRuntime:
                        labels, replica.stage_keys, iteration, emit, on_stage=at_stage)
 
   def _pick_peer(self, i: int) -> int | None:
-    if self.num_devices == 1:
+    if self.num_devices == 1 or not self._gossip:
       return None
     j = int(self._peer_rngs[i].integers(self.num_devices - 1))
     return j if j < i else j + 1

@@ -170,3 +170,18 @@ def test_a_straggler_does_fewer_iterations_than_the_others():
   iterations = [r.iteration for r in runtime.replicas]
   assert sum(iterations) == 240
   assert iterations[0] < 0.6 * min(iterations[1:])
+
+
+def test_without_gossip_each_device_trains_alone():
+  # layup.gossip=False, the ablation that times communication: no sends, weights untouched,
+  # and a device's model is what it would be had the other devices never run.
+  together = make_layup_runtime(4, gossip=False)
+  alone = make_layup_runtime(4, gossip=False)
+  for _ in range(3):
+    for i in range(4):
+      together.iterate_serial(i)
+    alone.iterate_serial(1)
+  assert together.weights.values == [0.25] * 4
+  chex.assert_trees_all_equal(together.replicas[1].params, alone.replicas[1].params)
+  assert not np.allclose(jax.tree.leaves(together.replicas[0].params)[0],
+                         jax.tree.leaves(together.replicas[1].params)[0])

@@ -88,4 +88,5 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
       straggler_device=config.straggler.device,
       straggler_delay_iters=config.straggler.delay_iters,
       nonfinite_policy=config.faults.nonfinite,
+      gossip=config.layup.gossip,
   )

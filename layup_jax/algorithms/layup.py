@@ -28,4 +28,5 @@ def build(
       straggler_device=config.straggler.device,
       straggler_delay_iters=config.straggler.delay_iters,
       nonfinite_policy=config.faults.nonfinite,
+      gossip=config.layup.gossip,
   )
