@@ -317,15 +317,25 @@ class LayUpRuntime:
           f"{self.num_stages - 1} (the loss stage)")
     return False
 
-  def _send_stage(self, i: int, j: int, s: int, share: float) -> None:
-    """Push-sum merge of device i's stage s into device j, j keeping `share` of its own."""
-    replica, peer = self.replicas[i], self.replicas[j]
-    share_j = jax.device_put(np.float32(share), peer.device)
-    peer.params[s] = self._merge(peer.params[s], jax.device_put(replica.params[s], peer.device),
-                                 share_j)
+  def _sent_part(self, replica: Replica, s: int) -> PyTree:
+    """What a send of stage s carries: its params, and its BatchNorm statistics under "mix"."""
     if self.bn_policy == "mix" and replica.state[s]:
-      peer.state[s] = self._merge(peer.state[s], jax.device_put(replica.state[s], peer.device),
-                                  share_j)
+      return replica.params[s], replica.state[s]
+    return replica.params[s]
+
+  def _send_stage(self, i: int, j: int, s: int, share: float) -> None:
+    """Push-sum merge of device i's stage s into device j, j keeping `share` of its own.
+
+    One transfer and one jitted merge for params and statistics together (each is a Python
+    dispatch from an updater thread; they add up over stages and devices).
+    """
+    replica, peer = self.replicas[i], self.replicas[j]
+    received = jax.device_put(self._sent_part(replica, s), peer.device)
+    merged = self._merge(self._sent_part(peer, s), received, np.float32(share))
+    if isinstance(merged, tuple):
+      peer.params[s], peer.state[s] = merged
+    else:
+      peer.params[s] = merged
 
   def _update_and_send(self, i: int, j: int | None, s: int, grads: PyTree, sent: float) -> None:
     """Local Optax step of stage s on device i, then its push-sum merge into peer j."""
@@ -396,6 +406,8 @@ class LayUpRuntime:
         outputs.append(self._merge(replica.params[s], replica.params[s], share))
         if replica.state[s]:
           outputs.append(self._merge(replica.state[s], replica.state[s], share))
+        sent = self._sent_part(replica, s)  # the form `_send_stage` merges
+        outputs.append(self._merge(sent, sent, np.float32(0.5)))
       jax.block_until_ready(outputs)
 
   # --- the threads ----------------------------------------------------------------------------
