@@ -167,17 +167,21 @@ class Checkpoints:
   its own threads); a save's error is raised by the next `save` or by `wait`.
   """
 
-  def __init__(self, directory: pathlib.Path, keep: int, async_save: bool = True):
+  def __init__(self, directory: pathlib.Path, keep: int, async_save: bool = True,
+               read_only: bool = False):
     self.directory = directory.absolute()
-    self._keep, self._async = keep, async_save
+    self._keep, self._async, self._read_only = keep, async_save, read_only
     self._manager = self._open()
     self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
     self._pending: list[concurrent.futures.Future] = []
 
   def _open(self) -> ocp.CheckpointManager:
+    # Read only (another run's folder): no folder created, no leftover temporary save of a run
+    # that may still be writing there cleaned up.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=self._keep, enable_async_checkpointing=self._async, create=True,
-        cleanup_tmp_directories=True)
+        max_to_keep=self._keep, enable_async_checkpointing=self._async,
+        create=not self._read_only, cleanup_tmp_directories=not self._read_only,
+        read_only=self._read_only)
     return ocp.CheckpointManager(self.directory, options=options)
 
   def steps(self) -> list[int]:
@@ -278,5 +282,5 @@ def open_restore_path(path: str, keep: int) -> tuple[Checkpoints, int | None]:
   if not location.is_dir():
     raise ConfigError(f"config.restore={path!r}: no such checkpoint folder")
   if location.name.isdigit() and (location / "meta").exists():
-    return Checkpoints(location.parent, keep, async_save=False), int(location.name)
-  return Checkpoints(location, keep, async_save=False), None
+    return Checkpoints(location.parent, keep, async_save=False, read_only=True), int(location.name)
+  return Checkpoints(location, keep, async_save=False, read_only=True), None

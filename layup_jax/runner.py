@@ -114,6 +114,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
   start_step, train_time = 0, 0.0
   flops_per_iteration, peak = None, flops.peak_flops(devices[0])
 
+  def samples_per_s() -> float:
+    return runtime.iterations_done() * config.data.batch_size / max(train_time, 1e-9)
+
   def throughput() -> dict[str, Any]:
     return measurements.throughput(runtime.iterations_per_device(), config.data.batch_size,
                                    train_time, flops_per_iteration, peak)
@@ -123,8 +126,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     common = {"step": step, "time_s": train_time, "weight_sum": runtime.weight_sum()}
     if step > 0 and write:
       writer.write({**common, "split": "train", "loss": train_loss,
-                    "samples_per_s": runtime.iterations_done() * config.data.batch_size
-                    / max(train_time, 1e-9), **throughput(),
+                    "samples_per_s": samples_per_s(), **throughput(),
                     "skipped_steps": runtime.skipped_steps()})
     record = {**common, "split": "test", **evaluator.evaluate(runtime.snapshot())}
     if dataset.kind == "language_model":  # accuracy is next-token accuracy
@@ -221,8 +223,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       "consensus_distance": record["consensus_distance"],
       "weight_sum": record["weight_sum"],
       "wall_time_s": train_time,
-      "train_samples_per_s": runtime.iterations_done() * config.data.batch_size
-                             / max(train_time, 1e-9),
+      "train_samples_per_s": samples_per_s(),
       "skipped_steps": runtime.skipped_steps(),
       "flops_per_iteration": flops_per_iteration,
       "peak_flops": peak,
