@@ -77,6 +77,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.layup.bn_policy = "mix"  # BatchNorm running statistics under gossip: "mix" or "local"
   config.layup.max_dispatch_ahead = 1  # iterations a compute thread may run ahead of its device
   config.layup.gossip = True  # False: local steps only (LayUp, GoSGD, AD-PSGD), to time gossip
+  # Store each stage's params and optimizer state as one flat vector (layup_jax/packing.py):
+  # one array per stage in every optimizer step, send and merge. False: per-stage pytrees.
+  config.layup.pack_stages = True
 
   # The periodic-averaging baselines (layup_jax/algorithms/periodic.py), named as in the paper.
   config.baselines = ml_collections.ConfigDict()
@@ -113,6 +116,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.metrics = ml_collections.ConfigDict()
   config.metrics.target_accuracy = 0.0  # time to this test accuracy (TTA); 0 = not measured
   config.metrics.target_perplexity = 0.0  # language models: time to this test perplexity
+  # Per-stage update latency (gradient computed -> merge landed on the peer) is timed on every
+  # `latency_every`-th iteration of each device (LayUp, GoSGD, AD-PSGD; two device waits in the
+  # updater on those iterations only); 0 = not measured.
+  config.metrics.latency_every = 20
 
   config.progress_bar = True  # tqdm bar on stderr while training
   return config

@@ -31,7 +31,7 @@ from layup_jax.errors import ConfigError, StorageError
 PyTree = Any
 # Keys that decide the shapes and structure of the saved arrays: a checkpoint written with other
 # values cannot be loaded into this run.
-STRUCTURAL_KEYS = ("algorithm", "model", "optimizer.name", "data.name")
+STRUCTURAL_KEYS = ("algorithm", "model", "optimizer.name", "data.name", "layup.pack_stages")
 
 
 def _units(tree: dict[str, Any]) -> list[tuple[str, PyTree]]:

@@ -87,7 +87,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("model.num_classes", 1), ("model.vocab_size", 1), ("model.max_len", 1),
       ("model.hidden_size", 1), ("model.num_layers", 1), ("model.dropout", 0),
       ("checkpoint.every", 0), ("checkpoint.keep", 1), ("metrics.target_accuracy", 0),
-      ("metrics.target_perplexity", 0),
+      ("metrics.target_perplexity", 0), ("metrics.latency_every", 0),
   ]
   for key, bound in checks:
     _at_least(config, key, bound)

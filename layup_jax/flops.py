@@ -40,27 +40,51 @@ def compiled(fn, *args) -> Any:
   return fn.lower(*args).compile()
 
 
-def staged_flops(model: stages.StagedModel, steps: stages.StageSteps, update: Callable, params,
-                 state, opt_state, batch, key, iteration, analyse: Callable = lowered) -> float:
-  """FLOPs of one staged iteration on one device: every stage function's cost, summed.
+def staged_calls(model: stages.StagedModel, steps: stages.StageSteps, update: Callable, params,
+                 state, opt_state, batch, key, iteration, visit: Callable) -> None:
+  """Calls `visit(fn, *args)` for every jitted function of one staged iteration on one device
+  (stage forwards, loss, backwards, tie functions, per-stage updates) with its arguments.
 
-  Runs the staged pass once on the given arrays to get each function's arguments; `analyse`
-  is `lowered` (cheap: no compilation) or `compiled` (XLA's optimized program).
+  Runs the staged pass once on the given arrays to get each function's arguments.
   """
-  total = [0.0]
-
-  def counted(fn):
+  def visited(fn):
     def call(*args):
-      total[0] += flops_of(analyse(fn, *args))
+      visit(fn, *args)
       return fn(*args)
     return call
 
-  counted_steps = stages.StageSteps(
-      forward=tuple(map(counted, steps.forward)), loss=counted(steps.loss),
-      backward=tuple(map(counted, steps.backward)),
-      add_tied={s: counted(f) for s, f in steps.add_tied.items()})
-  _, grads, _ = stages.staged_value_and_grad(model, counted_steps, params, state, batch.inputs,
+  visited_steps = stages.StageSteps(
+      forward=tuple(map(visited, steps.forward)), loss=visited(steps.loss),
+      backward=tuple(map(visited, steps.backward)),
+      add_tied={s: visited(f) for s, f in steps.add_tied.items()},
+      read_tied={s: visited(f) for s, f in steps.read_tied.items()})
+  _, grads, _ = stages.staged_value_and_grad(model, visited_steps, params, state, batch.inputs,
                                              batch.targets, key, iteration)
   for s, stage_grads in enumerate(grads):
-    total[0] += flops_of(analyse(update, params[s], opt_state[s], stage_grads))
+    visit(update, params[s], opt_state[s], stage_grads)
+
+
+def staged_flops(model: stages.StagedModel, steps: stages.StageSteps, update: Callable, params,
+                 state, opt_state, batch, key, iteration, analyse: Callable = lowered) -> float:
+  """FLOPs of one staged iteration on one device: every stage function's cost, summed;
+  `analyse` is `lowered` (cheap: no compilation) or `compiled` (XLA's optimized program)."""
+  total = [0.0]
+
+  def count(fn, *args):
+    total[0] += flops_of(analyse(fn, *args))
+
+  staged_calls(model, steps, update, params, state, opt_state, batch, key, iteration, count)
   return total[0]
+
+
+def staged_temp_bytes(model: stages.StagedModel, steps: stages.StageSteps, update: Callable,
+                      params, state, opt_state, batch, key, iteration) -> int:
+  """The largest scratch memory (XLA's `temp_size_in_bytes`) of any function of a staged
+  iteration: what a device needs beyond its live arrays while that function runs."""
+  largest = [0]
+
+  def measure(fn, *args):
+    largest[0] = max(largest[0], compiled(fn, *args).memory_analysis().temp_size_in_bytes)
+
+  staged_calls(model, steps, update, params, state, opt_state, batch, key, iteration, measure)
+  return largest[0]

@@ -7,6 +7,7 @@ run ever reaches (the paper's "convergence accuracy"). Both are resolved to the 
 interval (`eval_every`).
 """
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +58,14 @@ def run_measurements(records: Sequence[Record], *, language_model: bool, target:
                     "target_step": reached["step"] if reached else None,
                     "target_epoch": reached["step"] / steps_per_epoch if reached else None})
   return summary
+
+
+def stage_latency_ms(per_stage: Sequence[Sequence[float]] | None) -> list[float | None] | None:
+  """Median update latency of each stage in ms (None for a stage without samples); None when
+  the runtime does not time stages or took no sample at all."""
+  if per_stage is None or not any(per_stage):
+    return None
+  return [1e3 * statistics.median(samples) if samples else None for samples in per_stage]
 
 
 def throughput(iterations_per_device: Sequence[int], batch_size: int, train_time_s: float,

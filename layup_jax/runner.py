@@ -121,12 +121,22 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     return measurements.throughput(runtime.iterations_per_device(), config.data.batch_size,
                                    train_time, flops_per_iteration, peak)
 
+  latencies: list[list[float]] | None = None  # every sample of this process, per stage
+
+  def stage_latencies() -> list[float | None] | None:
+    nonlocal latencies
+    recent = runtime.stage_latencies()
+    if recent is not None:
+      latencies = [old + new for old, new in zip(latencies or [[] for _ in recent], recent)]
+    return measurements.stage_latency_ms(recent)
+
   def evaluate(step: int, write: bool = True) -> dict[str, Any]:
     train_loss = runtime.train_loss()
     common = {"step": step, "time_s": train_time, "weight_sum": runtime.weight_sum()}
     if step > 0 and write:
       writer.write({**common, "split": "train", "loss": train_loss,
                     "samples_per_s": samples_per_s(), **throughput(),
+                    "stage_update_latency_ms": stage_latencies(),
                     "skipped_steps": runtime.skipped_steps()})
     record = {**common, "split": "test", **evaluator.evaluate(runtime.snapshot())}
     if dataset.kind == "language_model":  # accuracy is next-token accuracy
@@ -225,6 +235,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       "wall_time_s": train_time,
       "train_samples_per_s": samples_per_s(),
       "skipped_steps": runtime.skipped_steps(),
+      "stage_update_latency_ms": measurements.stage_latency_ms(latencies),
       "flops_per_iteration": flops_per_iteration,
       "peak_flops": peak,
       **throughput(),

@@ -28,6 +28,7 @@ import functools
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ from layup_jax import flops, nonfinite, pushsum, remap
 from layup_jax.algorithms.base import IterationClock, Snapshot, mean_or_nan
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import NonFiniteError
+from layup_jax.packing import StagePacking
 from layup_jax.stages import StagedModel, make_stage_steps, stage_key, staged_pass
 
 PyTree = Any
@@ -207,6 +209,8 @@ class LayUpRuntime:
       straggler_delay_iters: float = 0.0,
       nonfinite_policy: str = "stop",
       gossip: bool = True,
+      latency_every: int = 0,
+      pack_stages: bool = True,
   ):
     if bn_policy not in BN_POLICIES:
       raise ValueError(f"bn_policy must be one of {BN_POLICIES}, got {bn_policy!r}")
@@ -219,12 +223,32 @@ class LayUpRuntime:
     self._example_batch = example_batch
     self._model = model
     self._skip_nonfinite = nonfinite_policy == "skip"
-    self._steps = make_stage_steps(model, keep_finite_state=self._skip_nonfinite)
+    # Each stage's params, Optax state and BatchNorm state as one flat vector each
+    # (layup_jax.packing), or as pytrees. A stage without state keeps its empty dict.
+    self._has_state = [bool(jax.tree.leaves(st)) for st in init_state]
+    self._packings = self._state_packings = None
+    if pack_stages:
+      self._packings = [StagePacking.of(p) for p in init_params]
+      self._state_packings = [StagePacking.of(st) if has else None
+                              for st, has in zip(init_state, self._has_state)]
+    self._steps = make_stage_steps(model, keep_finite_state=self._skip_nonfinite,
+                                   packings=self._packings, state_packings=self._state_packings)
+    if pack_stages:
+      init_params = [jax.jit(k.pack)(p) for k, p in zip(self._packings, init_params)]
+      init_state = [jax.jit(k.pack)(st) if k else st
+                    for k, st in zip(self._state_packings, init_state)]
+      self._unpack = [jax.jit(k.unpack) for k in self._packings]
+      self._unpack_state = [jax.jit(k.unpack) if k else (lambda st: st)
+                            for k in self._state_packings]
     self._update = jax.jit(functools.partial(local_update, tx,
                                              skip_nonfinite=self._skip_nonfinite))
     self._merge = jax.jit(pushsum.merge)
     self._ahead = max_dispatch_ahead
     self._gossip = gossip  # False: local steps only, no peer (an ablation of communication)
+    # Every `latency_every`-th iteration of a device its updater times each stage from gradient
+    # ready to merge landed (two waits on the device; 0 = never). Samples (stage, seconds).
+    self._latency_every = latency_every
+    self._latencies: list[collections.deque] = [collections.deque() for _ in devices]
     base_key = jax.random.key(seed)
     self.replicas = [
         Replica(
@@ -269,8 +293,8 @@ class LayUpRuntime:
     """
     replica = self.replicas[i]
     batch = next(self._train_batches[i])
-    x, labels = jax.device_put((batch.inputs, batch.targets), replica.device)
-    iteration = jax.device_put(np.int32(replica.iteration), replica.device)
+    x, labels, iteration = jax.device_put(  # one transfer call: each costs a dispatch
+        (batch.inputs, batch.targets, np.int32(replica.iteration)), replica.device)
     replica.iteration += 1
 
     def at_stage(stage_idx: int) -> None:
@@ -319,11 +343,11 @@ class LayUpRuntime:
 
   def _sent_part(self, replica: Replica, s: int) -> PyTree:
     """What a send of stage s carries: its params, and its BatchNorm statistics under "mix"."""
-    if self.bn_policy == "mix" and replica.state[s]:
+    if self.bn_policy == "mix" and self._has_state[s]:
       return replica.params[s], replica.state[s]
     return replica.params[s]
 
-  def _send_stage(self, i: int, j: int, s: int, share: float) -> None:
+  def _send_stage(self, i: int, j: int, s: int, share: float) -> PyTree:
     """Push-sum merge of device i's stage s into device j, j keeping `share` of its own.
 
     One transfer and one jitted merge for params and statistics together (each is a Python
@@ -336,12 +360,34 @@ class LayUpRuntime:
       peer.params[s], peer.state[s] = merged
     else:
       peer.params[s] = merged
+    return merged
 
   def _update_and_send(self, i: int, j: int | None, s: int, grads: PyTree, sent: float) -> None:
-    """Local Optax step of stage s on device i, then its push-sum merge into peer j."""
+    """Local Optax step of stage s on device i, then its push-sum merge into peer j.
+
+    On a sampled iteration, times the stage's update latency: from its gradient being computed
+    to the merged stage being computed on the peer (to the local update without a peer).
+    """
+    timed = self._latency_every and self._updates_done[i] % self._latency_every == 0
+    if timed:
+      jax.block_until_ready(grads)
+      start = time.perf_counter()
     self._local_step(i, s, grads)
+    landed = self.replicas[i].params[s]
     if j is not None:
-      self._send_stage(i, j, s, self.weights.receiver_share(j, sent))
+      landed = self._send_stage(i, j, s, self.weights.receiver_share(j, sent))
+    if timed:
+      jax.block_until_ready(landed)
+      self._latencies[i].append((s, time.perf_counter() - start))
+
+  def stage_latencies(self) -> list[list[float]]:
+    """Update latency samples (seconds) of each stage since the previous call, all devices."""
+    per_stage: list[list[float]] = [[] for _ in range(self.num_stages)]
+    for samples in self._latencies:
+      while samples:
+        s, seconds = samples.popleft()
+        per_stage[s].append(seconds)
+    return per_stage
 
   # --- what an iteration's updates do: LayUp's here, the baselines' in their subclasses -------
 
@@ -404,7 +450,7 @@ class LayUpRuntime:
       for s, stage_grads in enumerate(grads):
         outputs.append(self._update(replica.params[s], replica.opt_state[s], stage_grads))
         outputs.append(self._merge(replica.params[s], replica.params[s], share))
-        if replica.state[s]:
+        if self._has_state[s]:
           outputs.append(self._merge(replica.state[s], replica.state[s], share))
         sent = self._sent_part(replica, s)  # the form `_send_stage` merges
         outputs.append(self._merge(sent, sent, np.float32(0.5)))
@@ -516,12 +562,26 @@ class LayUpRuntime:
   def iterations_done(self) -> int:
     return self._budget.finished
 
+  def stage_params(self, i: int) -> list[PyTree]:
+    """Device i's params, one pytree per stage (unpacked where stages are stored packed)."""
+    params = list(self.replicas[i].params)
+    if self._packings:
+      return [unpack(p) for unpack, p in zip(self._unpack, params)]
+    return params
+
+  def stage_state(self, i: int) -> list[PyTree]:
+    """Device i's BatchNorm state, one pytree per stage (unpacked as `stage_params`)."""
+    state = list(self.replicas[i].state)
+    if self._packings:
+      return [unpack(st) for unpack, st in zip(self._unpack_state, state)]
+    return state
+
   def snapshot(self) -> Snapshot:
     weights = list(self.weights.values)
     uniform = [1.0] * self.num_devices
     return Snapshot(
-        params=[list(r.params) for r in self.replicas],
-        state=[list(r.state) for r in self.replicas],
+        params=[self.stage_params(i) for i in range(self.num_devices)],
+        state=[self.stage_state(i) for i in range(self.num_devices)],
         weights=weights,
         state_weights=weights if self.bn_policy == "mix" else uniform,
     )
@@ -541,15 +601,25 @@ class LayUpRuntime:
   def iterations_per_device(self) -> list[int]:
     return [r.iteration for r in self.replicas]
 
-  def flops_per_iteration(self) -> float:
-    """XLA's FLOPs of one device's iteration (stage functions and updates; no gossip)."""
+  def _iteration_arguments(self) -> tuple:
+    """What `flops.staged_calls` needs to replay one iteration of device 0 (its state is not
+    changed)."""
     replica = self.replicas[0]
     example = jax.device_put((self._example_batch.inputs, self._example_batch.targets),
                              replica.device)
-    return flops.staged_flops(
-        self._model, self._steps, self._update, replica.params, list(replica.state),
-        replica.opt_state, Batch(*example), jax.device_put(jax.random.key(0), replica.device),
-        jax.device_put(np.int32(0), replica.device))
+    return (self._model, self._steps, self._update, replica.params, list(replica.state),
+            replica.opt_state, Batch(*example), jax.device_put(jax.random.key(0), replica.device),
+            jax.device_put(np.int32(0), replica.device))
+
+  def flops_per_iteration(self, analyse: Callable = flops.lowered) -> float:
+    """XLA's FLOPs of one device's iteration (stage functions and updates; no gossip);
+    `analyse` is `flops.lowered` (no compilation) or `flops.compiled`."""
+    return flops.staged_flops(*self._iteration_arguments(), analyse=analyse)
+
+  def temp_bytes(self) -> int:
+    """The largest scratch memory XLA allocates for one of this runtime's functions (a merge
+    needs none beyond its output)."""
+    return flops.staged_temp_bytes(*self._iteration_arguments())
 
   # --- checkpoints (at a consistent point: every thread idle between iterations) --------------
 

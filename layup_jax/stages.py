@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from layup_jax import nonfinite
+from layup_jax.packing import StagePacking, pack_residuals, unpack_residuals
 
 PyTree = Any
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -184,67 +185,96 @@ class StageSteps:
   backward[s]:          (vjp, dy) -> (grads, dx); stage 0 returns (grads, None) so that XLA
                         drops the unused input gradient.
   add_tied[s]:          (grads, tied_grad) -> grads, for the owner stage of a tie.
+  read_tied[s]:         (owner's params) -> the tied array, for the consumer stage of a tie.
+  With `packings`, `vjp` is a `PackedResiduals`: the VJP's arrays in one buffer per dtype.
   A consumer stage's `x` and `dx` are `(activation, tied array)` pairs. Stages whose modules are
   equal (the repeated blocks of a ResNet or GPT-2) share one jitted function, so each compiles
-  once per device rather than once per stage.
+  once per device rather than once per stage. With `packings`, every stage's params (and so its
+  gradients) are flat vectors (`layup_jax.packing`).
   """
 
   forward: tuple[Callable, ...]
   loss: Callable
   backward: tuple[Callable, ...]
   add_tied: dict[int, Callable]
+  read_tied: dict[int, Callable] = dataclasses.field(default_factory=dict)
 
 
-def make_stage_steps(model: StagedModel, keep_finite_state: bool = False) -> StageSteps:
+def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
+                     packings: Sequence[StagePacking] | None = None,
+                     state_packings: Sequence[StagePacking | None] | None = None) -> StageSteps:
   """The jitted per-stage functions; `keep_finite_state` keeps a stage's old BatchNorm
-  statistics wherever a batch made the new ones non-finite (for skipped non-finite steps)."""
+  statistics wherever a batch made the new ones non-finite (for skipped non-finite steps);
+  `packings` (one per stage) makes them take and return flat params and gradients, and
+  `state_packings` flat state (None for a stage without state)."""
   last = model.num_stages - 1
   guard_state = nonfinite.keep_finite if keep_finite_state else lambda new, old: new
+  same = lambda tree: tree
+  unpack = [p.unpack for p in packings] if packings else [same] * model.num_stages
+  pack = [p.pack for p in packings] if packings else [same] * model.num_stages
+  layouts = list(state_packings or [None] * model.num_stages)
+  unpack_state = [p.unpack if p else same for p in layouts]
+  pack_state = [p.pack if p else same for p in layouts]
+  pack_vjp = pack_residuals if packings else same
+  unpack_vjp = unpack_residuals if packings else same
 
-  forwards: dict[nn.Module, Callable] = {}
+  forwards: dict[Any, Callable] = {}
 
-  def shared_forward(module):
+  def shared_forward(s):
+    module = model.modules[s]
     try:
-      if module not in forwards:
-        forwards[module] = make_forward(module)
-      return forwards[module]
+      key = (module, packings[s] if packings else None, layouts[s])
+      if key not in forwards:
+        forwards[key] = make_forward(s)
+      return forwards[key]
     except TypeError:  # an unhashable module (say, one holding a list) gets its own function
-      return make_forward(module)
+      return make_forward(s)
 
-  def make_forward(module):
+  def make_forward(s):
+    module, unpack_params = model.modules[s], unpack[s]
+    unpack_st, pack_st = unpack_state[s], pack_state[s]
+
     def forward(params, state, x, key, iteration):
       rng = jax.random.fold_in(key, iteration)
       y, vjp, new_state = jax.vjp(
-          lambda p, h: apply_module(module, p, state, h, rng, True), params, x, has_aux=True
+          lambda p, h: apply_module(module, unpack_params(p), unpack_st(state), h, rng, True),
+          params, x, has_aux=True
       )
-      return y, guard_state(new_state, state), vjp
+      return y, guard_state(pack_st(new_state), state), pack_vjp(vjp)
 
     return jax.jit(forward)
 
   def backward(vjp, dy):
-    return vjp(dy)
+    return unpack_vjp(vjp)(dy)
 
   def first_backward(vjp, dy):
-    return vjp(dy)[0], None  # XLA drops the unused input gradient
+    return unpack_vjp(vjp)(dy)[0], None  # XLA drops the unused input gradient
 
   def loss(params, state, x, labels, key, iteration):
     rng = jax.random.fold_in(key, iteration)
     argnums = (0,) if last == 0 else (0, 1)
     (value, new_state), grads = jax.value_and_grad(
-        lambda p, h: model.loss_stage(p, state, h, labels, rng), argnums=argnums, has_aux=True
+        lambda p, h: model.loss_stage(unpack[last](p), unpack_state[last](state), h, labels,
+                                      rng), argnums=argnums, has_aux=True
     )(params, x)
-    return (value, guard_state(new_state, state), grads[0],
+    return (value, guard_state(pack_state[last](new_state), state), grads[0],
             (grads[1] if last > 0 else None))
 
   def make_add_tied(tie):
-    return jax.jit(lambda grads, tied_grad: tree_add_at(grads, tie.path, tied_grad))
+    owner = tie.owner
+    return jax.jit(lambda grads, tied_grad: pack[owner](
+        tree_add_at(unpack[owner](grads), tie.path, tied_grad)))
+
+  def make_read_tied(tie):
+    return jax.jit(lambda params: tree_get(unpack[tie.owner](params), tie.path))
 
   backward_jit, first_backward_jit = jax.jit(backward), jax.jit(first_backward)
   return StageSteps(
-      forward=tuple(shared_forward(model.modules[s]) for s in range(last)),
+      forward=tuple(shared_forward(s) for s in range(last)),
       loss=jax.jit(loss),
       backward=tuple(first_backward_jit if s == 0 else backward_jit for s in range(last)),
       add_tied={tie.owner: make_add_tied(tie) for tie in model.ties},
+      read_tied=({tie.consumer: make_read_tied(tie) for tie in model.ties} if packings else {}),
   )
 
 
@@ -269,13 +299,19 @@ def staged_pass(
   """
   last = model.num_stages - 1
   vjps = []
+
+  def stage_input(s: int, x: PyTree) -> PyTree:
+    if s in steps.read_tied:  # packed params: the tied array is cut out on the device
+      return x, steps.read_tied[s](read_params(model.tie_of(s).owner))
+    return model.stage_input(s, x, read_params)
+
   for s in range(last):
     on_stage(s)
-    x_in = model.stage_input(s, x, read_params)
+    x_in = stage_input(s, x)
     x, state[s], vjp = steps.forward[s](read_params(s), state[s], x_in, stage_keys[s], iteration)
     vjps.append(vjp)
   on_stage(last)
-  x_in = model.stage_input(last, x, read_params)
+  x_in = stage_input(last, x)
   loss, state[last], grads, dx = steps.loss(read_params(last), state[last], x_in, labels,
                                             stage_keys[last], iteration)
   tied_grads = {}

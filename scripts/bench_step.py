@@ -1,10 +1,15 @@
 """Per-device iteration time of LayUp's staged step against one fused jitted step.
 
-Staged: the per-stage jitted forwards (each returning its VJP), the per-stage VJPs in reverse,
-and one Optax update per stage, dispatched from Python as LayUp's threads do (serial mode, one
-device, no peer). Fused: one jitted `value_and_grad` + Optax step of the same model, batch and
-optimizer. Both wait for the loss every iteration. Repeats alternate between the two, so each
-ratio is measured side by side; medians are reported. FLOPs per iteration come from XLA's
+Fused: one jitted `value_and_grad` + Optax step of the model, batch and optimizer; it waits for
+the loss every iteration. Staged, three ways, all on one device without a peer:
+  runtime:  LayUp's threaded runtime (compute thread + updater thread), stages packed into one
+            flat vector each (the default); iterations run back to back, as in training.
+  serial:   the same per-stage functions dispatched from one thread (`iterate_serial`: forwards
+            returning VJPs, VJPs in reverse, one Optax update per stage), waiting for the loss
+            and the gradient checks every iteration.
+  pytrees:  serial, with each stage's params kept as a pytree (`layup.pack_stages=False`).
+Every repeat runs all four back to back, so each ratio is measured side by side; medians of the
+per-repeat ratios are reported. FLOPs per iteration come from XLA's
 `compiled.cost_analysis()` (summed over the stage functions for the staged step); MFU is given
 where the device's peak is known.
 
@@ -28,12 +33,12 @@ import jax
 import numpy as np
 
 from configs import base
-from layup_jax import data, models, optim, stages
+from layup_jax import data, models, optim
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
 from layup_jax.data.pipeline import Batch
-from layup_jax.flops import PEAK_FLOPS, compiled, flops_of, staged_flops
-from layup_jax.runtime import LayUpRuntime, local_update
+from layup_jax.flops import PEAK_FLOPS, compiled, flops_of
+from layup_jax.runtime import LayUpRuntime
 
 CASES = {
     "digits": {"data.batch_size": 16},
@@ -106,19 +111,22 @@ def bench_case(case: str, repeats: int, iters: int) -> dict:
   tx = optim.make_optimizer(config.optimizer, 10_000)
   params, state = init_model(config, model, example)
 
-  layup = LayUpRuntime(model, tx, [device], [train], params, state, example, seed=config.seed)
-  layup.compile()
-  replica = layup.replicas[0]
+  def runtime(pack: bool) -> LayUpRuntime:
+    built = LayUpRuntime(model, tx, [device], [train], params, state, example, seed=config.seed,
+                         pack_stages=pack)
+    built.compile()
+    return built
+
+  layup, threaded, unpacked = runtime(True), runtime(True), runtime(False)
   key = jax.device_put(jax.random.key(0), device)
   iteration = jax.device_put(np.int32(0), device)
   inputs = Batch(*jax.device_put((example.inputs, example.targets), device))
-  flops_staged = staged_flops(model, stages.make_stage_steps(model),
-                              jax.jit(functools.partial(local_update, tx)), replica.params,
-                              replica.state, replica.opt_state, inputs, key, iteration,
-                              analyse=compiled)
+  flops_staged = layup.flops_per_iteration(analyse=compiled)
 
   fused_step = jax.jit(functools.partial(ddp.train_step, model, tx), donate_argnums=(0, 1, 2))
-  fused = {"carry": jax.device_put((params, state, tx.init(params)), device), "i": 0}
+  # Fresh buffers: the fused step donates its carry, which must not be the runtimes' arrays.
+  carry = jax.tree.map(np.asarray, (params, state, tx.init(params)))
+  fused = {"carry": jax.device_put(carry, device), "i": 0}
   flops_fused = flops_of(fused_step.lower(*fused["carry"], inputs.inputs, inputs.targets, key,
                                           iteration).compile())
 
@@ -133,28 +141,49 @@ def bench_case(case: str, repeats: int, iters: int) -> dict:
   def staged_iteration():
     layup.iterate_serial(0, None)
 
-  for step in (staged_iteration, fused_iteration):  # compile and warm up
+  def pytree_iteration():
+    unpacked.iterate_serial(0, None)
+
+  def threaded_seconds(count: int) -> float:
+    start, done = time.perf_counter(), threaded.iterations_done()
+    threaded.run_until(done + count, lambda _: None)
+    return (time.perf_counter() - start) / count
+
+  for step in (staged_iteration, pytree_iteration, fused_iteration):  # compile and warm up
     time_iterations(step, 3)
-  staged_times, fused_times = [], []
+  threaded_seconds(3)
+  staged_times, fused_times, runtime_times, pytree_times = [], [], [], []
   for _ in range(repeats):
+    runtime_times.append(threaded_seconds(iters))
     staged_times.append(time_iterations(staged_iteration, iters))
+    pytree_times.append(time_iterations(pytree_iteration, iters))
     fused_times.append(time_iterations(fused_iteration, iters))
+  threaded.close()
   staged_s, fused_s = statistics.median(staged_times), statistics.median(fused_times)
+  runtime_s = statistics.median(runtime_times)
+  ratio = lambda times: statistics.median([f / t for t, f in zip(times, fused_times)])
   peak = PEAK_FLOPS.get(device.device_kind)
   estimate = transformer_flops(config, params, config.data.batch_size, extras.get("seq_len", 0))
   return {
       "case": case, "model": config.model.name, "num_stages": model.num_stages,
       "batch_size": config.data.batch_size, "device": device.device_kind,
-      "staged_ms_median": 1e3 * staged_s, "fused_ms_median": 1e3 * fused_s,
-      "throughput_ratio_staged_over_fused_median": statistics.median(
-          [f / s for s, f in zip(staged_times, fused_times)]),
+      "runtime_ms_median": 1e3 * runtime_s, "staged_ms_median": 1e3 * staged_s,
+      "pytrees_ms_median": 1e3 * statistics.median(pytree_times),
+      "fused_ms_median": 1e3 * fused_s,
+      "throughput_ratio_runtime_over_fused_median": ratio(runtime_times),
+      "throughput_ratio_staged_over_fused_median": ratio(staged_times),
+      "throughput_ratio_pytrees_over_fused_median": ratio(pytree_times),
       "flops_staged": flops_staged, "flops_fused": flops_fused,
+      "mfu_runtime": flops_staged / runtime_s / peak if peak else None,
       "mfu_staged": flops_staged / staged_s / peak if peak else None,
       "mfu_fused": flops_fused / fused_s / peak if peak else None,
       "flops_estimate_6nt": estimate,
+      "mfu_estimate_runtime": estimate / runtime_s / peak if peak and estimate else None,
       "mfu_estimate_staged": estimate / staged_s / peak if peak and estimate else None,
       "mfu_estimate_fused": estimate / fused_s / peak if peak and estimate else None,
+      "runtime_ms_all": [1e3 * t for t in runtime_times],
       "staged_ms_all": [1e3 * t for t in staged_times],
+      "pytrees_ms_all": [1e3 * t for t in pytree_times],
       "fused_ms_all": [1e3 * t for t in fused_times],
   }
 
@@ -170,19 +199,24 @@ def main() -> None:
 
   rows = [bench_case(case, args.repeats, args.iters) for case in args.cases]
   mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"
-  print(f"{'case':<16}{'stages':>7}{'batch':>6}{'staged ms':>11}{'fused ms':>10}"
-        f"{'staged/fused':>14}{'GFLOP/it':>10}{'MFU st.':>9}{'MFU fu.':>9}")
+  print(f"{'case':<16}{'stages':>7}{'batch':>6}{'fused ms':>10}{'runtime ms':>12}"
+        f"{'serial ms':>11}{'pytrees ms':>12}   throughput vs fused: runtime serial pytrees"
+        f"{'GFLOP/it':>10}{'MFU rt.':>9}{'MFU fu.':>9}")
   for r in rows:
-    print(f"{r['case']:<16}{r['num_stages']:>7}{r['batch_size']:>6}{r['staged_ms_median']:>11.3f}"
-          f"{r['fused_ms_median']:>10.3f}{r['throughput_ratio_staged_over_fused_median']:>14.3f}"
-          f"{r['flops_fused'] / 1e9:>10.2f}{mfu(r['mfu_staged']):>9}{mfu(r['mfu_fused']):>9}")
+    print(f"{r['case']:<16}{r['num_stages']:>7}{r['batch_size']:>6}{r['fused_ms_median']:>10.3f}"
+          f"{r['runtime_ms_median']:>12.3f}{r['staged_ms_median']:>11.3f}"
+          f"{r['pytrees_ms_median']:>12.3f}{'':>24}"
+          f"{r['throughput_ratio_runtime_over_fused_median']:>8.3f}"
+          f"{r['throughput_ratio_staged_over_fused_median']:>7.3f}"
+          f"{r['throughput_ratio_pytrees_over_fused_median']:>8.3f}"
+          f"{r['flops_fused'] / 1e9:>10.2f}{mfu(r['mfu_runtime']):>9}{mfu(r['mfu_fused']):>9}")
   for r in rows:
     if r["flops_estimate_6nt"]:
-      print(f"{r['case']}: 6NT estimate {r['flops_estimate_6nt'] / 1e9:.0f} GFLOP/it, MFU staged "
-            f"{mfu(r['mfu_estimate_staged'])}, fused {mfu(r['mfu_estimate_fused'])}")
-  print(f"(throughput ratio: median of {args.repeats} side-by-side repeats of {args.iters} "
-        f"iterations; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs leave out "
-        f"library calls such as cuDNN convolutions)")
+      print(f"{r['case']}: 6NT estimate {r['flops_estimate_6nt'] / 1e9:.0f} GFLOP/it, MFU "
+            f"runtime {mfu(r['mfu_estimate_runtime'])}, fused {mfu(r['mfu_estimate_fused'])}")
+  print(f"(throughput ratio: median over {args.repeats} repeats of the ratio within a repeat, "
+        f"{args.iters} iterations each; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs "
+        f"leave out library calls such as cuDNN convolutions)")
   with open(args.out, "w") as f:
     json.dump({"platform": platform.platform(), "jax": jax.__version__, "rows": rows}, f,
               indent=2)

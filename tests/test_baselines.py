@@ -18,7 +18,7 @@ PEERS = [1, 3, 0, 2, 2, 0, 3, 1]  # scripted peer of each serial iteration
 
 
 def _leaves(runtime, device):
-  return jax.tree.leaves(jax.device_get(runtime.replicas[device].params))
+  return jax.tree.leaves(jax.device_get(runtime.stage_params(device)))
 
 
 class _Whole(nn.Module):
@@ -39,8 +39,10 @@ def _as_whole(stages):
 
 
 def test_gosgd_equals_layup_with_the_whole_model_as_one_stage():
-  staged = make_layup_runtime(4, model=plain_mlp(), runtime_class=GoSGDRuntime)
-  whole = make_layup_runtime(4, model=StagedModel([_Whole()]))
+  # Unpacked stages (`pack_stages=False`), to rearrange the stage pytrees into one.
+  staged = make_layup_runtime(4, model=plain_mlp(), runtime_class=GoSGDRuntime,
+                              pack_stages=False)
+  whole = make_layup_runtime(4, model=StagedModel([_Whole()]), pack_stages=False)
   for a, b in zip(staged.replicas, whole.replicas):  # the same initial values
     b.params[0] = _as_whole(a.params)
     b.opt_state[0] = jax.jit(optax.sgd(0.05, momentum=0.9).init)(b.params[0])

@@ -1,4 +1,5 @@
-"""The paper's measurements: time to target and to convergence, throughput per device, MFU."""
+"""The paper's measurements: time to target and to convergence, throughput per device, MFU,
+per-stage update latency."""
 
 import functools
 
@@ -7,12 +8,12 @@ import numpy as np
 import optax
 import pytest
 
-from layup_jax import flops, measurements, runner, stages
+from layup_jax import flops, measurements, models, runner, stages
 from layup_jax.algorithms import ddp
 from layup_jax.data.pipeline import Batch
 from layup_jax.metrics import read_metrics
 from layup_jax.runtime import local_update
-from tests.helpers import plain_mlp
+from tests.helpers import make_layup_runtime, plain_mlp
 
 RECORDS = [
     {"split": "test", "step": 0, "time_s": 0.0, "accuracy": 0.1, "perplexity": 90.0},
@@ -62,6 +63,7 @@ def test_a_run_reports_throughput_per_device_mfu_and_time_to_target(tiny_config,
   monkeypatch.setitem(flops.PEAK_FLOPS, jax.devices()[0].device_kind, 1e11)  # a made-up peak
   tiny_config.num_devices, tiny_config.eval_every = 4, 5
   tiny_config.metrics.target_accuracy = 0.3
+  tiny_config.metrics.latency_every = 2  # every other iteration: samples in every train row
   summary = runner.run(tiny_config, tmp_path)
   tests = [r for r in read_metrics(tmp_path) if r["split"] == "test"]
   first = next(r for r in tests if r["accuracy"] >= 0.3)
@@ -76,3 +78,27 @@ def test_a_run_reports_throughput_per_device_mfu_and_time_to_target(tiny_config,
   assert summary["flops_per_iteration"] > 0
   np.testing.assert_allclose(summary["mfu"], summary["tflops_per_s_per_device"] * 1e12 / 1e11,
                              rtol=1e-9)
+  # Update latency per stage, in the summary and in every train row.
+  latency = summary["stage_update_latency_ms"]
+  num_stages = models.make_model(tiny_config.model).num_stages
+  assert len(latency) == num_stages and all(v > 0 for v in latency)
+  trains = [r for r in read_metrics(tmp_path) if r["split"] == "train"]
+  assert all(len(r["stage_update_latency_ms"]) == num_stages for r in trains)
+
+
+@pytest.mark.parametrize("gossip", [True, False])
+def test_each_stage_update_is_timed_on_every_sampled_iteration(gossip):
+  # Every 2nd iteration of each device is timed, once per stage, with or without a peer.
+  runtime = make_layup_runtime(num_devices=2, latency_every=2, gossip=gossip)
+  try:
+    runtime.compile()
+    runtime.run_until(12, lambda done: None)
+    per_stage = runtime.stage_latencies()
+    sampled = sum((n + 1) // 2 for n in runtime.iterations_per_device())
+    assert [len(samples) for samples in per_stage] == [sampled] * runtime.num_stages
+    assert all(0 < seconds < 10 for samples in per_stage for seconds in samples)
+    assert runtime.stage_latencies() == [[]] * runtime.num_stages  # drained by the first call
+  finally:
+    runtime.close()
+  assert measurements.stage_latency_ms([[0.001, 0.003, 0.002], []]) == pytest.approx([2.0, None])
+  assert measurements.stage_latency_ms([[], []]) is None

@@ -100,7 +100,7 @@ def test_one_layup_and_one_ddp_step_on_four_devices(config):
   assert layup.iterations_done() == 4 and np.isfinite(layup.train_loss())
   assert layup.weight_sum() == pytest.approx(1.0)
   moved = [not np.allclose(a, b) for a, b in zip(
-      jax.tree.leaves(jax.device_get(layup.replicas[0].params)), jax.tree.leaves(params))]
+      jax.tree.leaves(jax.device_get(layup.stage_params(0))), jax.tree.leaves(params))]
   assert any(moved)
 
   ddp = DDPRuntime(model, tx, devices, _iterators(config, 4), params, state, example, seed=0)
@@ -137,16 +137,22 @@ def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
   chex.assert_trees_all_close(grads[0]["wte"]["embedding"], from_embedding + from_head,
                               atol=1e-6, rtol=1e-5)
 
-  # After LayUp iterations each replica holds the matrix once, in stage 0.
-  runtime = LayUpRuntime(model, optax.sgd(0.1), jax.devices()[:2], _iterators(config, 2), params,
-                         state, batch, seed=0)
-  runtime.iterate_serial(0, 1)
-  runtime.iterate_serial(1, 0)
-  for replica in runtime.replicas:
-    shapes = [leaf.shape for stage in replica.params for leaf in jax.tree.leaves(stage)]
-    assert shapes.count(wte_shape) == 1
-    assert jax.tree.leaves(replica.params[0]["wte"])[0].shape == wte_shape
-  assert math.isclose(runtime.weight_sum(), 1.0)
+  # After LayUp iterations each replica holds the matrix once, in stage 0, with stages stored
+  # packed (the consumer cuts it out of stage 0's vector) or as pytrees, and both agree.
+  runtimes = [LayUpRuntime(model, optax.sgd(0.1), jax.devices()[:2], _iterators(config, 2),
+                           params, state, batch, seed=0, pack_stages=pack) for pack in (True, False)]
+  for runtime in runtimes:
+    runtime.iterate_serial(0, 1)
+    runtime.iterate_serial(1, 0)
+    for i in range(2):
+      stage_params = runtime.stage_params(i)
+      shapes = [leaf.shape for stage in stage_params for leaf in jax.tree.leaves(stage)]
+      assert shapes.count(wte_shape) == 1
+      assert stage_params[0]["wte"]["embedding"].shape == wte_shape
+    assert math.isclose(runtime.weight_sum(), 1.0)
+  for i in range(2):
+    chex.assert_trees_all_close(runtimes[0].stage_params(i), runtimes[1].stage_params(i),
+                                atol=1e-6, rtol=1e-5)
 
 
 def test_identical_blocks_share_one_jitted_function():

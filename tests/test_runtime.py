@@ -41,6 +41,23 @@ def test_replicas_are_committed_one_pytree_per_stage_to_their_devices():
   assert runtime.weights.values == [0.25] * 4
 
 
+def test_packed_stages_train_exactly_as_pytree_stages():
+  # One flat vector per stage is a storage format: the same scripted iterations (local steps,
+  # sends, merges, BatchNorm statistics) give the same models as per-stage pytrees.
+  packed, plain = make_layup_runtime(4), make_layup_runtime(4, pack_stages=False)
+  assert all(p.ndim == 1 for r in packed.replicas for p in r.params)
+  script = [(0, 1), (1, 2), (2, 0), (3, 0), (0, 3), (1, 0), (2, 1), (3, 2)] * 2
+  for device, peer in script:
+    assert packed.iterate_serial(device, peer) == pytest.approx(
+        plain.iterate_serial(device, peer), rel=1e-6)
+  for i in range(4):
+    chex.assert_trees_all_close(packed.stage_params(i), plain.stage_params(i), rtol=1e-5,
+                                atol=1e-6)
+    chex.assert_trees_all_close(packed.stage_state(i), plain.stage_state(i), rtol=1e-5,
+                                atol=1e-6)
+  assert packed.weights.values == plain.weights.values
+
+
 def test_scripted_peer_sequence_keeps_the_weight_sum_at_one():
   runtime = make_layup_runtime(4)
   script = [(0, 1), (1, 2), (2, 0), (3, 0), (0, 3), (1, 0), (2, 1), (3, 2)]
@@ -74,11 +91,11 @@ def test_with_learning_rate_zero_gossip_alone_reaches_consensus_and_keeps_the_av
 def test_batchnorm_policy_decides_whether_statistics_travel(bn_policy):
   runtime = make_layup_runtime(2, learning_rate=0.0, bn_policy=bn_policy)
   runtime.iterate_serial(1, None)  # device 1's statistics now differ from device 0's
-  receiver_before = jax.device_get(runtime.replicas[0].state[0])
+  receiver_before = jax.device_get(runtime.stage_state(0)[0])
   share = runtime.weights.receiver_share(0, runtime.weights.values[1] / 2)
   runtime.iterate_serial(1, 0)
-  sender_after = jax.device_get(runtime.replicas[1].state[0])
-  received = jax.device_get(runtime.replicas[0].state[0])
+  sender_after = jax.device_get(runtime.stage_state(1)[0])
+  received = jax.device_get(runtime.stage_state(0)[0])
   if bn_policy == "mix":
     want = jax.tree.map(lambda r, s: share * r + (1 - share) * s, receiver_before, sender_after)
   else:

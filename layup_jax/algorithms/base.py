@@ -65,6 +65,9 @@ class Runtime(Protocol):
   def flops_per_iteration(self) -> float:
     """XLA's FLOP count of one device's iteration."""
 
+  def stage_latencies(self) -> list[list[float]] | None:
+    """Per stage, the update latencies (s) sampled since the previous call; None if not timed."""
+
   def skipped_steps(self) -> int:
     """Iterations whose update was skipped for a non-finite gradient (`faults.nonfinite`)."""
 

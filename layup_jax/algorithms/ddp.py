@@ -138,6 +138,9 @@ class DDPRuntime:
   def skipped_steps(self) -> int:
     return self._skipped
 
+  def stage_latencies(self) -> None:
+    return None  # one fused step: no stage is updated on its own
+
   def iterations_per_device(self) -> list[int]:
     return [self._steps_done] * self.num_devices
 
@@ -145,6 +148,11 @@ class DDPRuntime:
     """XLA's FLOPs of the compiled step over the global batch, per device (call `compile()`
     first)."""
     return flops.flops_of(self._step) / self.num_devices
+
+  def temp_bytes(self) -> int:
+    """Scratch memory per device of the compiled step (activations, gradients, all-reduce
+    buffers), beyond its live arrays (call `compile()` first)."""
+    return self._step.memory_analysis().temp_size_in_bytes
 
   # --- checkpoints: one replicated model, so a changed device count only re-shards it ---------
 

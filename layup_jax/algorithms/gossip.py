@@ -60,7 +60,7 @@ class ADPSGDRuntime(LayUpRuntime):
     half = jax.device_put(np.float32(0.5), peer.device)
     for s in range(self.num_stages):
       trees = [(mine.params, peer.params)]
-      if self.bn_policy == "mix" and mine.state[s]:
+      if self.bn_policy == "mix" and self._has_state[s]:
         trees.append((mine.state, peer.state))
       for ours, theirs in trees:
         average = self._merge(theirs[s], jax.device_put(ours[s], peer.device), half)
@@ -89,4 +89,6 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
       straggler_delay_iters=config.straggler.delay_iters,
       nonfinite_policy=config.faults.nonfinite,
       gossip=config.layup.gossip,
+      latency_every=config.metrics.latency_every,
+      pack_stages=config.layup.pack_stages,
   )

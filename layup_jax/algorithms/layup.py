@@ -29,4 +29,6 @@ def build(
       straggler_delay_iters=config.straggler.delay_iters,
       nonfinite_policy=config.faults.nonfinite,
       gossip=config.layup.gossip,
+      latency_every=config.metrics.latency_every,
+      pack_stages=config.layup.pack_stages,
   )

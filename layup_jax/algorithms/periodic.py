@@ -246,7 +246,7 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
       seed=config.seed, bn_policy="mix", max_dispatch_ahead=config.layup.max_dispatch_ahead,
       straggler_device=config.straggler.device,
       straggler_delay_iters=config.straggler.delay_iters,
-      nonfinite_policy=config.faults.nonfinite,
+      nonfinite_policy=config.faults.nonfinite, pack_stages=config.layup.pack_stages,
       tau=config.baselines.tau, out_freq=config.baselines.out_freq,
       outer_tx=_outer_tx(config), lag=1 if config.algorithm == "co2" else 0,
   )

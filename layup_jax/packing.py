@@ -1,0 +1,115 @@
+"""One flat buffer per stage: how the LayUp runtime stores a stage's params and optimizer state.
+
+A stage's params are a pytree of a few to a few hundred arrays. Every jitted call and every
+`device_put` pays a fixed cost per array (an argument to pass, an output buffer and Python
+object to create, a small kernel to launch), and LayUp makes several such calls per stage per
+iteration: the optimizer step, the send and the peer's merge. Kept as one flat vector, a stage
+costs one array in each of them, as PyTorch FSDP's flat parameters do. The stage functions
+unpack the vector inside their jitted bodies, where slicing and reshaping are free, so the
+gradient of a packed stage comes out packed. The optimizers used here (SGD, Adam, AdamW, global
+norm clipping) act elementwise or on the global norm, so a step on the packed vector equals the
+step on the pytree.
+
+A stage's forward returns its VJP, whose residuals (the activations the backward pass needs)
+are tens of arrays per stage; `pack_residuals` stores them as one buffer per dtype, so that the
+forward returns, and the backward takes, a few arrays instead (`StageSteps` with `packings`).
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePacking:
+  """The layout of one stage's params in its flat vector (hashable: stages of equal layout
+  share their jitted functions)."""
+
+  treedef: Any
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[np.dtype, ...]
+
+  @classmethod
+  def of(cls, tree: PyTree) -> "StagePacking":
+    leaves, treedef = jax.tree.flatten(tree)
+    return cls(treedef, tuple(tuple(leaf.shape) for leaf in leaves),
+               tuple(np.dtype(leaf.dtype) for leaf in leaves))
+
+  @property
+  def dtype(self) -> np.dtype:
+    """The vector's dtype: every leaf's dtype promoted (float32 for a stage without params)."""
+    return np.dtype(jnp.result_type(*self.dtypes)) if self.dtypes else np.dtype(np.float32)
+
+  @property
+  def size(self) -> int:
+    return sum(math.prod(shape) for shape in self.shapes)
+
+  def pack(self, tree: PyTree) -> jax.Array:
+    """The flat vector of `tree` (pure: usable inside jit)."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+      return jnp.zeros((0,), self.dtype)
+    return jnp.concatenate([jnp.ravel(leaf).astype(self.dtype) for leaf in leaves])
+
+  def unpack(self, flat: jax.Array) -> PyTree:
+    """The pytree of the flat vector `flat` (pure: usable inside jit)."""
+    leaves, offset = [], 0
+    for shape, dtype in zip(self.shapes, self.dtypes):
+      size = math.prod(shape)
+      leaves.append(flat[offset:offset + size].reshape(shape).astype(dtype))
+      offset += size
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedResiduals:
+  """A stage's VJP with its arrays in one flat buffer per dtype; the layout is static."""
+
+  def __init__(self, buffers: tuple[jax.Array, ...], layout: tuple):
+    self.buffers, self.layout = buffers, layout
+
+  def tree_flatten(self):
+    return self.buffers, self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, buffers):
+    return cls(tuple(buffers), layout)
+
+
+def _packable(dtype) -> bool:
+  return jnp.issubdtype(dtype, np.number) or jnp.issubdtype(dtype, np.bool_)
+
+
+def pack_residuals(vjp: PyTree) -> PackedResiduals:
+  """`vjp`'s arrays concatenated per dtype (inside jit; PRNG keys and the like stay as they
+  are, one buffer each)."""
+  leaves, treedef = jax.tree.flatten(vjp)
+  groups = sorted({np.dtype(leaf.dtype) for leaf in leaves if _packable(leaf.dtype)}, key=str)
+  buffers = [jnp.concatenate([jnp.ravel(leaf) for leaf in leaves if leaf.dtype == dtype])
+             for dtype in groups]
+  others = [leaf for leaf in leaves if not _packable(leaf.dtype)]
+  slots = tuple((groups.index(np.dtype(leaf.dtype)) if _packable(leaf.dtype) else None,
+                 tuple(leaf.shape)) for leaf in leaves)
+  return PackedResiduals(tuple(buffers + others), (treedef, len(groups), slots))
+
+
+def unpack_residuals(packed: PackedResiduals) -> PyTree:
+  """The VJP `pack_residuals` packed (inside jit)."""
+  treedef, num_groups, slots = packed.layout
+  offsets = [0] * num_groups
+  others = iter(packed.buffers[num_groups:])
+  leaves = []
+  for group, shape in slots:
+    if group is None:
+      leaves.append(next(others))
+      continue
+    size = math.prod(shape)
+    leaves.append(packed.buffers[group][offsets[group]:offsets[group] + size].reshape(shape))
+    offsets[group] += size
+  return jax.tree.unflatten(treedef, leaves)
