@@ -13,6 +13,8 @@ step on the pytree.
 A stage's forward returns its VJP, whose residuals (the activations the backward pass needs)
 are tens of arrays per stage; `pack_residuals` stores them as one buffer per dtype, so that the
 forward returns, and the backward takes, a few arrays instead (`StageSteps` with `packings`).
+Packing copies them, which pays only while they are small: stages whose residuals exceed
+`RESIDUALS_PACKED_UP_TO` bytes keep them as they are.
 """
 
 import dataclasses
@@ -24,6 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
+# Up to this size a stage's residuals are packed: copying 1 MiB costs about what a few tens of
+# extra arrays cost per call on a CPU, and far less on a GPU.
+RESIDUALS_PACKED_UP_TO = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +93,12 @@ def _packable(dtype) -> bool:
 
 def pack_residuals(vjp: PyTree) -> PackedResiduals:
   """`vjp`'s arrays concatenated per dtype (inside jit; PRNG keys and the like stay as they
-  are, one buffer each)."""
+  are, one buffer each), or all kept as they are when they exceed `RESIDUALS_PACKED_UP_TO`."""
   leaves, treedef = jax.tree.flatten(vjp)
+  size = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves
+             if _packable(leaf.dtype))
+  if size > RESIDUALS_PACKED_UP_TO:
+    return PackedResiduals(tuple(leaves), (treedef, 0, tuple((None, ()) for _ in leaves)))
   groups = sorted({np.dtype(leaf.dtype) for leaf in leaves if _packable(leaf.dtype)}, key=str)
   buffers = [jnp.concatenate([jnp.ravel(leaf) for leaf in leaves if leaf.dtype == dtype])
              for dtype in groups]

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from layup_jax import packing
 
@@ -43,7 +44,10 @@ def test_an_optax_step_on_the_packed_vector_equals_the_step_on_the_pytree():
     chex.assert_trees_all_close(layout.unpack(flat), params, rtol=1e-6, atol=1e-7)
 
 
-def test_packed_residuals_give_the_same_gradients_with_fewer_arrays():
+@pytest.mark.parametrize("packed_up_to", [packing.RESIDUALS_PACKED_UP_TO, 0],
+                         ids=["small residuals packed", "large residuals kept"])
+def test_packed_residuals_give_the_same_gradients_with_fewer_arrays(packed_up_to, monkeypatch):
+  monkeypatch.setattr(packing, "RESIDUALS_PACKED_UP_TO", packed_up_to)
   def stage(params, x, key):
     h = jnp.tanh(x @ params["w"]) * jax.random.bernoulli(key, 0.7, x.shape[:1] + (4,))
     return jnp.sum(h.astype(jnp.bfloat16).astype(jnp.float32) ** 2)
@@ -55,9 +59,15 @@ def test_packed_residuals_give_the_same_gradients_with_fewer_arrays():
     return jax.vjp(lambda p: stage(p, x, key), params)
 
   _, vjp = jax.jit(forward)(params, x)
-  _, packed = jax.jit(lambda p, x: (lambda out, v: (out, packing.pack_residuals(v)))(
-      *forward(p, x)))(params, x)
-  assert len(jax.tree.leaves(packed)) < len(jax.tree.leaves(vjp))
+  def packed_forward(params, x):
+    out, vjp = forward(params, x)
+    return out, packing.pack_residuals(vjp)
+
+  _, packed = jax.jit(packed_forward)(params, x)
+  if packed_up_to:
+    assert len(jax.tree.leaves(packed)) < len(jax.tree.leaves(vjp))
+  else:  # too large to copy: the same arrays
+    assert len(jax.tree.leaves(packed)) == len(jax.tree.leaves(vjp))
   want = jax.jit(lambda v: v(1.0))(vjp)
   got = jax.jit(lambda p: packing.unpack_residuals(p)(1.0))(packed)
   chex.assert_trees_all_close(got, want)
