@@ -1,9 +1,10 @@
 """The LayUp runtime (paper Algorithm 1): a compute thread and an updater thread per device.
 
 Each device i holds a `Replica`: device-committed params, BatchNorm state and Optax state, one
-pytree per stage, kept in Python lists whose elements are *replaced*, never mutated. Reading
-`replica.params[s]` therefore always yields a complete stage, and a peer's merge lands by swapping
-the reference: no locks on parameters, no receive queues, no buffers of peers' updates.
+entry per stage (a flat vector with `pack_stages`, layup_jax/packing.py; else a pytree), kept in
+Python lists whose elements are *replaced*, never mutated. Reading `replica.params[s]` therefore
+always yields a complete stage, and a peer's merge lands by swapping the reference: no locks on
+parameters, no receive queues, no buffers of peers' updates.
 
 Compute thread i: forward stage by stage, each stage reading device i's *current* params when it
 is dispatched (so updates that land mid-forward are used), then the stage VJPs in reverse order,

@@ -5,11 +5,18 @@
               per iteration. Target <= 1.05.
   gossip:     LayUp on `--num-devices` devices, time per step with gossip on against off (local
               steps only, `layup.gossip=False`). Target <= 1.10: communication is hidden.
+              For each of `--gossip-cases`: the digits task, where a step's compute is small
+              against a send's fixed costs, and ResNet-18 on CIFAR-shaped random batches of 32.
+  ahead:      with `--ahead 1 2 4`, the digits task on `--num-devices` devices for each value of
+              `layup.max_dispatch_ahead` (how many iterations a compute thread may dispatch
+              before its device has produced the oldest one's loss): time per step, and the
+              consensus test accuracy after the run's 70 steps (fresher parameters against
+              more overlap).
 
-Digits task, compilation excluded (each runtime is compiled and warmed up first); medians of
-`--repeats` repeats, the two sides of a ratio run back to back in alternating order.
+Compilation excluded (each runtime is compiled and warmed up first); medians of `--repeats`
+repeats, the two sides of a ratio run back to back in alternating order.
 
-  python scripts/bench_runtime.py --repeats 5 --out bench_runtime.json
+  python scripts/bench_runtime.py --repeats 5 --gossip-cases digits resnet18-cifar
 """
 
 import argparse
@@ -24,20 +31,56 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
+import numpy as np
 
-from configs import digits
+from configs import base, digits
 from layup_jax import algorithms, data, models, optim
+from layup_jax.algorithms.base import init_model
+from layup_jax.data.pipeline import Batch
+from layup_jax.evaluation import Evaluator
+from layup_jax.runtime import LayUpRuntime
+
+STEPS = {"digits": (10, 60), "resnet18-cifar": (1, 3)}  # warm-up and timed steps per case
 
 
-def build(num_devices: int, gossip: bool = True):
+class _NoData:
+  def close(self) -> None:
+    pass
+
+
+def build(num_devices: int, gossip: bool = True, case: str = "digits", ahead: int = 1):
+  if case == "resnet18-cifar":
+    return build_resnet18(num_devices, gossip)
   config = digits.get_config()
   config.num_devices, config.layup.gossip = num_devices, gossip
+  config.layup.max_dispatch_ahead = ahead
   dataset = data.make_dataset(config.data, num_devices, config.seed)
   model = models.make_model(config.model)
   tx = optim.make_optimizer(config.optimizer, 10_000, dataset.steps_per_epoch)
   runtime = algorithms.build_runtime(config, model, tx, jax.devices()[:num_devices], dataset)
   runtime.compile()
   return runtime, dataset
+
+
+def build_resnet18(num_devices: int, gossip: bool):
+  config = base.get_config()
+  config.model.name, config.model.num_classes, config.data.batch_size = "resnet18", 100, 32
+  model = models.make_model(config.model)
+  tx = optim.make_optimizer(config.optimizer, 10_000)
+
+  def batches(seed: int):
+    rng = np.random.default_rng(seed)
+    while True:
+      yield Batch(rng.normal(size=(32, 32, 32, 3)).astype(np.float32),
+                  rng.integers(0, 100, 32).astype(np.int32))
+
+  example = next(batches(0))
+  params, state = init_model(config, model, example)
+  runtime = LayUpRuntime(model, tx, jax.devices()[:num_devices],
+                         [batches(i) for i in range(num_devices)], params, state, example,
+                         seed=0, gossip=gossip)
+  runtime.compile()
+  return runtime, _NoData()
 
 
 def serial_seconds(iterations: int, warmup: int) -> float:
@@ -52,9 +95,25 @@ def serial_seconds(iterations: int, warmup: int) -> float:
   return elapsed / iterations
 
 
-def threaded_seconds(num_devices: int, steps: int, warmup: int, gossip: bool = True) -> float:
+def ahead_run(num_devices: int, ahead: int, warmup: int = 10, steps: int = 60):
+  """Seconds per step of digits with `max_dispatch_ahead=ahead`, and the final test accuracy."""
+  runtime, dataset = build(num_devices, ahead=ahead)
+  runtime.run_until(warmup * num_devices, lambda done: None)
+  start = time.perf_counter()
+  runtime.run_until((warmup + steps) * num_devices, lambda done: None)
+  elapsed = time.perf_counter() - start
+  evaluator = Evaluator(models.make_model(digits.get_config().model), dataset.test,
+                        jax.devices()[0])
+  accuracy = evaluator.evaluate(runtime.snapshot())["accuracy"]
+  runtime.close()
+  dataset.close()
+  return elapsed / steps, accuracy
+
+
+def threaded_seconds(num_devices: int, steps: int, warmup: int, gossip: bool = True,
+                     case: str = "digits") -> float:
   """Seconds per step (num_devices iterations) of the threaded runtime."""
-  runtime, dataset = build(num_devices, gossip)
+  runtime, dataset = build(num_devices, gossip, case)
   runtime.run_until(warmup * num_devices, lambda done: None)
   start = time.perf_counter()
   runtime.run_until((warmup + steps) * num_devices, lambda done: None)
@@ -68,7 +127,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--num-devices", type=int, default=8)
   parser.add_argument("--iterations", type=int, default=200, help="one-device iterations")
-  parser.add_argument("--steps", type=int, default=60, help="steps of the multi-device runs")
+  parser.add_argument("--gossip-cases", nargs="+", default=["digits"], choices=sorted(STEPS))
+  parser.add_argument("--ahead", nargs="*", type=int, default=[],
+                      help="values of layup.max_dispatch_ahead to compare (digits)")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default="bench_runtime.json")
   args = parser.parse_args()
@@ -82,32 +143,53 @@ def main() -> None:
     for side in (["threaded", "serial"] if flip else ["serial", "threaded"]):
       one[side] = (serial_seconds(args.iterations, 20) if side == "serial"
                    else threaded_seconds(1, args.iterations, 20))
-    gossip = {}
-    for side in ([False, True] if flip else [True, False]):
-      gossip[side] = threaded_seconds(args.num_devices, args.steps, 10, gossip=side)
     run = {"repeat": repeat, "serial_ms": 1e3 * one["serial"],
            "one_device_threaded_ms": 1e3 * one["threaded"],
-           "one_device_ratio": one["threaded"] / one["serial"],
-           "gossip_on_ms_per_step": 1e3 * gossip[True],
-           "gossip_off_ms_per_step": 1e3 * gossip[False],
-           "gossip_ratio": gossip[True] / gossip[False]}
-    runs.append(run)
+           "one_device_ratio": one["threaded"] / one["serial"]}
     print(f"repeat {repeat}: one device {run['one_device_threaded_ms']:.2f} ms threaded vs "
-          f"{run['serial_ms']:.2f} ms serial ({run['one_device_ratio']:.3f}); "
-          f"{args.num_devices} devices gossip on {run['gossip_on_ms_per_step']:.1f} vs off "
-          f"{run['gossip_off_ms_per_step']:.1f} ms/step ({run['gossip_ratio']:.3f})", flush=True)
+          f"{run['serial_ms']:.2f} ms serial ({run['one_device_ratio']:.3f})", flush=True)
+    for case in args.gossip_cases:
+      warmup, steps = STEPS[case]
+      gossip = {}
+      for side in ([False, True] if flip else [True, False]):
+        gossip[side] = threaded_seconds(args.num_devices, steps, warmup, side, case)
+      run.update({f"{case}_gossip_on_ms_per_step": 1e3 * gossip[True],
+                  f"{case}_gossip_off_ms_per_step": 1e3 * gossip[False],
+                  f"{case}_gossip_ratio": gossip[True] / gossip[False]})
+      print(f"  {case}, {args.num_devices} devices: gossip on {1e3 * gossip[True]:.1f} vs off "
+            f"{1e3 * gossip[False]:.1f} ms/step ({gossip[True] / gossip[False]:.3f})",
+            flush=True)
+    for ahead in (args.ahead[::-1] if flip else args.ahead):
+      seconds, accuracy = ahead_run(args.num_devices, ahead)
+      run.update({f"ahead{ahead}_ms_per_step": 1e3 * seconds,
+                  f"ahead{ahead}_accuracy": accuracy})
+      print(f"  max_dispatch_ahead {ahead}: {1e3 * seconds:.1f} ms/step, test accuracy "
+            f"{accuracy:.4f} after 70 steps", flush=True)
+    runs.append(run)
 
   table = {key: statistics.median(r[key] for r in runs)
            for key in runs[0] if key != "repeat"}
-  print(f"\n{'measure':<44}{'median':>10}{'target':>9}")
-  print(f"{'one device: runtime / bare staged step':<44}{table['one_device_ratio']:>10.3f}"
-        f"{'<= 1.05':>9}")
-  print(f"{f'{args.num_devices} devices: gossip on / gossip off':<44}"
-        f"{table['gossip_ratio']:>10.3f}{'<= 1.10':>9}")
-  print(f"(digits task, medians of {args.repeats} repeats, {jax.devices()[0].device_kind}, "
+  print(f"\n{'measure':<48}{'median':>10}{'target':>9}")
+  print(f"{'one device (digits): runtime / bare staged step':<48}"
+        f"{table['one_device_ratio']:>10.3f}{'<= 1.05':>9}")
+  gossip_rows = []
+  for case in args.gossip_cases:
+    gossip_rows.append({"case": case, "ratio": table[f"{case}_gossip_ratio"],
+                        "on_ms_per_step": table[f"{case}_gossip_on_ms_per_step"],
+                        "off_ms_per_step": table[f"{case}_gossip_off_ms_per_step"]})
+    print(f"{f'{case}, {args.num_devices} devices: gossip on / off':<48}"
+          f"{table[f'{case}_gossip_ratio']:>10.3f}{'<= 1.10':>9}")
+  ahead_rows = []
+  for ahead in args.ahead:
+    ahead_rows.append({"ahead": ahead, "ms_per_step": table[f"ahead{ahead}_ms_per_step"],
+                       "accuracy": table[f"ahead{ahead}_accuracy"]})
+    print(f"{f'digits, max_dispatch_ahead {ahead}: ms/step, accuracy':<48}"
+          f"{table[f'ahead{ahead}_ms_per_step']:>10.1f}{table[f'ahead{ahead}_accuracy']:>9.4f}")
+  print(f"(medians of {args.repeats} repeats, {jax.devices()[0].device_kind}, "
         f"jax {jax.__version__})")
   with open(args.out, "w") as f:
-    json.dump({"args": vars(args), "table": table, "runs": runs}, f, indent=2)
+    json.dump({"args": vars(args), "table": table, "gossip": gossip_rows, "ahead": ahead_rows,
+               "runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":

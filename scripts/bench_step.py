@@ -40,16 +40,16 @@ from layup_jax.data.pipeline import Batch
 from layup_jax.flops import PEAK_FLOPS, compiled, flops_of
 from layup_jax.runtime import LayUpRuntime
 
-CASES = {
-    "digits": {"data.batch_size": 16},
+CASES = {  # "iters": iterations per timed repeat (about a second or more on this case's device)
+    "digits": {"data.batch_size": 16, "iters": 40},
     "resnet18-cifar": {"model.name": "resnet18", "model.num_classes": 100, "data.batch_size": 32,
-                       "input_size": 32},
+                       "input_size": 32, "iters": 5},
     "gpt2-tiny": {"model.name": "gpt2", "model.size": "tiny", "model.vocab_size": 256,
                   "model.max_len": 128, "data.batch_size": 8, "seq_len": 128,
-                  "optimizer.name": "adamw"},
+                  "optimizer.name": "adamw", "iters": 20},
     "gpt2-124m-bf16": {"model.name": "gpt2", "model.size": "gpt2", "model.dtype": "bfloat16",
                        "model.max_len": 1024, "data.batch_size": 8, "seq_len": 1024,
-                       "optimizer.name": "adamw"},
+                       "optimizer.name": "adamw", "iters": 20},
 }
 
 
@@ -99,8 +99,9 @@ def time_iterations(step, iters: int) -> float:
   return (time.perf_counter() - start) / iters
 
 
-def bench_case(case: str, repeats: int, iters: int) -> dict:
+def bench_case(case: str, repeats: int, iters: int | None) -> dict:
   config, extras = case_config(case)
+  iters = iters or extras["iters"]
   device = jax.devices()[0]
   if case == "digits":
     train = data.make_dataset(config.data, 1, config.seed).train[0]
@@ -165,7 +166,7 @@ def bench_case(case: str, repeats: int, iters: int) -> dict:
   peak = PEAK_FLOPS.get(device.device_kind)
   estimate = transformer_flops(config, params, config.data.batch_size, extras.get("seq_len", 0))
   return {
-      "case": case, "model": config.model.name, "num_stages": model.num_stages,
+      "case": case, "model": config.model.name, "num_stages": model.num_stages, "iters": iters,
       "batch_size": config.data.batch_size, "device": device.device_kind,
       "runtime_ms_median": 1e3 * runtime_s, "staged_ms_median": 1e3 * staged_s,
       "pytrees_ms_median": 1e3 * statistics.median(pytree_times),
@@ -193,7 +194,8 @@ def main() -> None:
   parser.add_argument("--cases", nargs="+", default=["digits", "resnet18-cifar", "gpt2-tiny"],
                       choices=sorted(CASES))
   parser.add_argument("--repeats", type=int, default=7)
-  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--iters", type=int, default=None,
+                      help="iterations per timed repeat (default: the case's own)")
   parser.add_argument("--out", default="bench_step.json")
   args = parser.parse_args()
 
@@ -214,12 +216,14 @@ def main() -> None:
     if r["flops_estimate_6nt"]:
       print(f"{r['case']}: 6NT estimate {r['flops_estimate_6nt'] / 1e9:.0f} GFLOP/it, MFU "
             f"runtime {mfu(r['mfu_estimate_runtime'])}, fused {mfu(r['mfu_estimate_fused'])}")
+  iterations = ", ".join(f"{r['case']} {r['iters']}" for r in rows)
   print(f"(throughput ratio: median over {args.repeats} repeats of the ratio within a repeat, "
-        f"{args.iters} iterations each; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs "
+        f"{iterations} iterations each; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs "
         f"leave out library calls such as cuDNN convolutions)")
   with open(args.out, "w") as f:
-    json.dump({"platform": platform.platform(), "jax": jax.__version__, "rows": rows}, f,
-              indent=2)
+    json.dump({"platform": platform.platform(), "jax": jax.__version__,
+               "command": "python scripts/bench_step.py " + " ".join(sys.argv[1:]), "rows": rows},
+              f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+"""A `jax.profiler` trace of LayUp's threaded runtime, and where its time goes.
+
+Trains the digits task (or `--model resnet18` on CIFAR-shaped random batches) on
+`--num-devices` devices inside `jax.profiler.trace`, writes the trace to `--out` (open it in
+Perfetto, ui.perfetto.dev, or TensorBoard's profile plugin) and prints the events that took the
+most time in total, per thread: jitted stage functions (`PjitFunction(forward)`, ...),
+transfers, the XLA executors' work, and Python functions (the trace includes a Python tracer, so
+times are inflated; read them as shares).
+
+  python scripts/profile_step.py --num-devices 1 --iterations 100 --out runs/profile
+"""
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from configs import digits
+from layup_jax import algorithms, data, models, optim
+from layup_jax.algorithms.base import init_model
+from layup_jax.data.pipeline import Batch
+from layup_jax.runtime import LayUpRuntime
+
+
+def build(model_name: str, num_devices: int, gossip: bool):
+  config = digits.get_config()
+  config.num_devices, config.layup.gossip = num_devices, gossip
+  devices = jax.devices()[:num_devices]
+  if model_name == "digits":
+    dataset = data.make_dataset(config.data, num_devices, config.seed)
+    model = models.make_model(config.model)
+    tx = optim.make_optimizer(config.optimizer, 10_000, dataset.steps_per_epoch)
+    return algorithms.build_runtime(config, model, tx, devices, dataset), dataset
+  config.model.name, config.model.num_classes = "resnet18", 100
+  model, tx = models.make_model(config.model), optim.make_optimizer(config.optimizer, 10_000)
+  rng = np.random.default_rng(0)
+
+  def batches():
+    while True:
+      yield Batch(rng.normal(size=(32, 32, 32, 3)).astype(np.float32),
+                  rng.integers(0, 100, 32).astype(np.int32))
+
+  example = next(batches())
+  params, state = init_model(config, model, example)
+  runtime = LayUpRuntime(model, tx, devices, [batches() for _ in devices], params, state, example,
+                         seed=0, gossip=gossip)
+  return runtime, None
+
+
+def summarize(trace_dir: pathlib.Path, top: int) -> None:
+  """Prints the events with the largest total duration, by thread and name."""
+  path = max(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"), key=os.path.getmtime)
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  total, count = collections.defaultdict(float), collections.Counter()
+  for event in events:
+    if event.get("ph") == "X":
+      key = (threads.get((event["pid"], event["tid"]), str(event["tid"])), event["name"][:70])
+      total[key] += event.get("dur", 0.0)
+      count[key] += 1
+  print(f"{'total ms':>10}{'calls':>8}  thread / event   (trace: {path})")
+  for key, micros in sorted(total.items(), key=lambda item: -item[1])[:top]:
+    print(f"{micros / 1e3:>10.1f}{count[key]:>8}  {key[0][:28]:<28} {key[1]}")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model", default="digits", choices=["digits", "resnet18"])
+  parser.add_argument("--num-devices", type=int, default=1)
+  parser.add_argument("--iterations", type=int, default=100, help="per device, traced")
+  parser.add_argument("--no-gossip", action="store_true")
+  parser.add_argument("--top", type=int, default=30)
+  parser.add_argument("--out", default="runs/profile")
+  args = parser.parse_args()
+  runtime, dataset = build(args.model, args.num_devices, not args.no_gossip)
+  runtime.compile()
+  warmup = 10 * args.num_devices
+  runtime.run_until(warmup, lambda done: None)
+  with jax.profiler.trace(args.out, create_perfetto_trace=True):
+    start = time.perf_counter()
+    runtime.run_until(warmup + args.iterations * args.num_devices, lambda done: None)
+    seconds = time.perf_counter() - start
+  runtime.close()
+  if dataset is not None:
+    dataset.close()
+  print(f"{1e3 * seconds / args.iterations:.2f} ms per step while tracing "
+        f"({args.num_devices} devices, {args.model})")
+  summarize(pathlib.Path(args.out), args.top)
+
+
+if __name__ == "__main__":
+  main()

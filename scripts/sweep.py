@@ -1,0 +1,185 @@
+"""Runs algorithms x seeds x straggler delays from one config, one workdir per run.
+
+    python scripts/sweep.py --config configs/digits.py --workdir runs/sweeps/digits \\
+        --algorithms layup ddp gosgd --seeds 0 1 2 --delays 0 1 2 4 \\
+        --set num_epochs=20 --set eval_every=10 --set metrics.target_accuracy=0.95
+
+Each run is `layup_jax.runner.run` (the same code as `python -m layup_jax.train`) in this
+process, one after another, in `WORKDIR/delay<d>/<algorithm>-seed<s>` (`metrics.jsonl`,
+`summary.json`); a straggler delay d idles device 0 for d iterations' time before each of its
+iterations (`straggler.device=0`, `straggler.delay_iters=d`). A run whose `summary.json`
+exists is skipped, so an interrupted sweep continues where it stopped, and sweeps with other
+algorithms, seeds or delays can add runs to the same workdir. `WORKDIR/sweep.json` records the
+commands, the machine and the date; `scripts/report.py` turns the workdir into tables and
+figures. Checkpoints are off (saves stay out of the timings) and a persistent compilation
+cache keeps repeated compilations out of the start-up.
+
+`--mock-tfds N` trains on records from `tfds.testing.mock_data` (random values of the
+dataset's real shapes and dtypes, N per split) instead of a prepared TFDS data dir: for timings
+on a machine without the data; accuracies are then those of random labels.
+"""
+
+import argparse
+import ast
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import sys
+import tempfile
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax
+import ml_collections
+
+from layup_jax import algorithms, runner
+
+# Each method as the paper's comparisons run it, where it differs from the config: DiLoCo's
+# inner optimizer is AdamW (its paper) and it averages every `tau` steps.
+METHOD_SETTINGS = {
+    "diloco": {"optimizer.name": "adamw", "optimizer.learning_rate": 3e-3,
+               "optimizer.weight_decay": 1e-4},
+}
+
+
+def load_config_module(path: str):
+  spec = importlib.util.spec_from_file_location("sweep_config", path)
+  if spec is None or not os.path.exists(path):
+    sys.exit(f"error: no config file {path}")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def algorithm_config(module, algorithm: str) -> ml_collections.ConfigDict:
+  """The config file's column for `algorithm` (the paper's hyper-parameters, as
+  `--config FILE:ALGORITHM`), or its default column with `algorithm` set where it has none."""
+  try:
+    config = module.get_config(algorithm)
+  except ValueError:
+    config = module.get_config()
+  config.algorithm = algorithm
+  for key, value in METHOD_SETTINGS.get(algorithm, {}).items():
+    set_value(config, key, value)
+  if algorithm == "diloco":
+    config.baselines.out_freq = config.baselines.tau
+  return config
+
+
+def set_value(config: ml_collections.ConfigDict, key: str, value) -> None:
+  """`config.<key> = value` for a dotted key; exits with a one-line error for a bad key/type."""
+  *sections, name = key.split(".")
+  node = config
+  try:
+    for section in sections:
+      node = node[section]
+    if name not in node:
+      raise KeyError(name)
+    node[name] = value
+  except KeyError:
+    sys.exit(f"error: --set {key}: the config has no key {key}")
+  except TypeError as error:
+    sys.exit(f"error: --set {key}={value!r}: {error}")
+
+
+def parse_assignment(text: str) -> tuple[str, object]:
+  key, sep, raw = text.partition("=")
+  if not sep:
+    sys.exit(f"error: --set takes KEY=VALUE, got {text!r}")
+  try:
+    value = ast.literal_eval(raw)
+  except (ValueError, SyntaxError):
+    value = raw  # a bare string
+  return key.strip(), value
+
+
+def run_config(module, overrides: list[tuple[str, object]], algorithm: str, seed: int,
+               delay: float) -> ml_collections.ConfigDict:
+  config = algorithm_config(module, algorithm)
+  for key, value in overrides:
+    set_value(config, key, value)
+  config.seed = seed
+  config.straggler.device, config.straggler.delay_iters = (0, float(delay)) if delay else (-1, 0.0)
+  config.checkpoint.enabled, config.progress_bar = False, False
+  return config
+
+
+def run_dir(workdir: pathlib.Path, algorithm: str, seed: int, delay: float) -> pathlib.Path:
+  return workdir / f"delay{delay:g}" / f"{algorithm}-seed{seed}"
+
+
+@contextlib.contextmanager
+def mocked_tfds(config: ml_collections.ConfigDict, num_examples: int):
+  """Points `config.data.data_dir` at a data dir that looks prepared, with mocked records."""
+  from layup_jax.data import DATASETS
+  from tests.tfds_fakes import mocked_tfds as mock
+
+  name = config.data.tfds_name or DATASETS[config.data.name].tfds_name
+  with tempfile.TemporaryDirectory(prefix="layup_jax_mock_tfds_") as data_dir:
+    config.data.data_dir = data_dir
+    with mock(pathlib.Path(data_dir), [name], num_examples):
+      yield
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", required=True,
+                      help="a config file, e.g. configs/digits.py (its paper column per algorithm)")
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--algorithms", nargs="+", default=["layup", "ddp"],
+                      choices=algorithms.names())
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+  parser.add_argument("--delays", nargs="+", type=float, default=[0.0])
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="config override, repeatable (e.g. num_epochs=20)")
+  parser.add_argument("--mock-tfds", type=int, default=0, metavar="N",
+                      help="mocked TFDS records, N per split, instead of a prepared data dir")
+  parser.add_argument("--force", action="store_true", help="rerun runs that have a summary")
+  args = parser.parse_args()
+
+  module = load_config_module(args.config)
+  overrides = [parse_assignment(assignment) for assignment in args.set]
+  run_config(module, overrides, args.algorithms[0], 0, 0)  # a bad --set fails before any run
+  workdir = pathlib.Path(args.workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(workdir / "jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+  record = workdir / "sweep.json"
+  saved = json.loads(record.read_text()) if record.exists() else {"commands": []}
+  command = "python scripts/sweep.py " + " ".join(sys.argv[1:])
+  device = jax.devices()[0]
+  saved.update({
+      "config": args.config, "mock_tfds": args.mock_tfds or saved.get("mock_tfds", 0),
+      "commands": [*[c for c in saved["commands"] if c != command], command],
+      "date": datetime.date.today().isoformat(),
+      "machine": (f"{platform.machine()}, {os.cpu_count()} cores, "
+                  f"{device.platform} devices ({device.device_kind}), jax {jax.__version__}"),
+  })
+  record.write_text(json.dumps(saved, indent=1))
+
+  runs = [(a, s, d) for d in args.delays for s in args.seeds for a in args.algorithms]
+  for count, (algorithm, seed, delay) in enumerate(runs, 1):
+    where = run_dir(workdir, algorithm, seed, delay)
+    if (where / "summary.json").exists() and not args.force:
+      print(f"[{count}/{len(runs)}] {where}: done before, skipped", flush=True)
+      continue
+    if where.exists():
+      for stale in ("metrics.jsonl", "summary.json"):
+        (where / stale).unlink(missing_ok=True)
+    config = run_config(module, overrides, algorithm, seed, delay)
+    with mocked_tfds(config, args.mock_tfds) if args.mock_tfds else contextlib.nullcontext():
+      summary = runner.run(config, where)
+    print(f"[{count}/{len(runs)}] {where}: accuracy {summary['final_eval_accuracy']:.4f}, "
+          f"{summary['wall_time_s']:.1f} s training, "
+          f"{summary['train_samples_per_s']:.0f} samples/s", flush=True)
+
+
+if __name__ == "__main__":
+  main()
