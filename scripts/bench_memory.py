@@ -15,6 +15,7 @@ peer's params in flight, sent and merged, and nothing queued).
 """
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -167,7 +168,8 @@ def main() -> None:
   print(f"(peak per device, the largest over {args.num_devices} devices; {how}; "
         f"{first['device_kind']}; {steps} steps after a warm-up of 2)")
   with open(args.out, "w") as f:
-    json.dump({"platform": platform.platform(), "args": vars(args), "rows": rows}, f, indent=2)
+    json.dump({"measured": f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
+               f"{jax.devices()[0].device_kind}, jax {jax.__version__}", "platform": platform.platform(), "args": vars(args), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ repeats, the two sides of a ratio run back to back in alternating order.
 """
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -188,7 +190,8 @@ def main() -> None:
   print(f"(medians of {args.repeats} repeats, {jax.devices()[0].device_kind}, "
         f"jax {jax.__version__})")
   with open(args.out, "w") as f:
-    json.dump({"args": vars(args), "table": table, "gossip": gossip_rows, "ahead": ahead_rows,
+    json.dump({"measured": f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
+               f"{jax.devices()[0].device_kind}, jax {jax.__version__}", "args": vars(args), "table": table, "gossip": gossip_rows, "ahead": ahead_rows,
                "runs": runs}, f, indent=2)
 
 

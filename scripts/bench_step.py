@@ -18,6 +18,7 @@ where the device's peak is known.
 """
 
 import argparse
+import datetime
 import functools
 import json
 import os
@@ -221,7 +222,8 @@ def main() -> None:
         f"{iterations} iterations each; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs "
         f"leave out library calls such as cuDNN convolutions)")
   with open(args.out, "w") as f:
-    json.dump({"platform": platform.platform(), "jax": jax.__version__,
+    json.dump({"measured": f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
+               f"{jax.devices()[0].device_kind}, jax {jax.__version__}", "platform": platform.platform(), "jax": jax.__version__,
                "command": "python scripts/bench_step.py " + " ".join(sys.argv[1:]), "rows": rows},
               f, indent=2)
 

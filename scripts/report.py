@@ -267,7 +267,7 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
               "| measure | median | target |", "|---|---|---|",
               (f"| one device: runtime / bare staged step | {table['one_device_ratio']:.3f} | "
               "<= 1.05 |")]
-    for row in bench.get("gossip", [{"case": "digits", "ratio": table["gossip_ratio"]}]):
+    for row in bench["gossip"]:
       lines.append(f"| {bench['args']['num_devices']} devices, {row['case']}: gossip on / off "
                    f"| {row['ratio']:.3f} | <= 1.10 |")
   path = results / "bench_ahead.json"
@@ -307,6 +307,10 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
       lines.append(f"| {r['case']} | {r['layup_peak_bytes'] / 2**20:.2f} | "
                    f"{r['ddp_peak_bytes'] / 2**20:.2f} | "
                    f"{r['layup']['largest_stage_param_bytes'] / 2**20:.2f} | {r['holds']} |")
+  measured = sorted({json.loads(p.read_text()).get("measured", "")
+                     for p in results.glob("bench_*.json")} - {""})
+  if measured:
+    lines = ["", "Measured: " + "; ".join(measured) + "."] + lines
   return (["", "## Benchmarks", "", ("Each script prints its table and writes the JSON read "
            "here; see the README for the commands.")] + lines) if lines else []
 
