@@ -53,13 +53,12 @@ def device_bytes(devices) -> dict:
 
 def measure(case: str, algorithm: str, num_devices: int, steps: int) -> dict:
   """Runs in the child process: trains and returns the peaks per device."""
-  import numpy as np
 
   from configs import base
   from layup_jax import algorithms, data, models, optim
   from layup_jax.algorithms.base import init_model
   from layup_jax.algorithms.ddp import DDPRuntime
-  from layup_jax.data.pipeline import Batch
+  from layup_jax.data.pipeline import random_image_batches
   from layup_jax.runtime import LayUpRuntime
 
   config = base.get_config()
@@ -76,19 +75,12 @@ def measure(case: str, algorithm: str, num_devices: int, steps: int) -> dict:
     example = dataset.example_batch
     runtime = algorithms.build_runtime(config, model, tx, devices, dataset)
   else:  # random CIFAR-shaped batches (memory does not depend on the values)
-    rng = np.random.default_rng(0)
-    batch = config.data.batch_size
-
-    def batches():
-      while True:
-        yield Batch(rng.normal(size=(batch, 32, 32, 3)).astype(np.float32),
-                    rng.integers(0, 100, batch).astype(np.int32))
-
-    example = next(batches())
+    batches = lambda seed: random_image_batches(config.data.batch_size, 32, 100, seed)
+    example = next(batches(0))
     params, state = init_model(config, model, example)
     runtime_class = LayUpRuntime if algorithm == "layup" else DDPRuntime
-    runtime = runtime_class(model, tx, devices, [batches() for _ in devices], params, state,
-                            example, seed=0)
+    runtime = runtime_class(model, tx, devices, [batches(i) for i in range(num_devices)],
+                            params, state, example, seed=0)
   largest_stage = max(sum(leaf.nbytes for leaf in jax.tree.leaves(p))
                       for p in init_model(config, model, example)[0])
   params = state = None  # only the runtime's arrays stay alive

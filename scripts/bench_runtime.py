@@ -33,12 +33,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-import numpy as np
 
 from configs import base, digits
 from layup_jax import algorithms, data, models, optim
 from layup_jax.algorithms.base import init_model
-from layup_jax.data.pipeline import Batch
+from layup_jax.data.pipeline import random_image_batches
 from layup_jax.evaluation import Evaluator
 from layup_jax.runtime import LayUpRuntime
 
@@ -70,12 +69,7 @@ def build_resnet18(num_devices: int, gossip: bool):
   model = models.make_model(config.model)
   tx = optim.make_optimizer(config.optimizer, 10_000)
 
-  def batches(seed: int):
-    rng = np.random.default_rng(seed)
-    while True:
-      yield Batch(rng.normal(size=(32, 32, 32, 3)).astype(np.float32),
-                  rng.integers(0, 100, 32).astype(np.int32))
-
+  batches = lambda seed: random_image_batches(32, 32, 100, seed)
   example = next(batches(0))
   params, state = init_model(config, model, example)
   runtime = LayUpRuntime(model, tx, jax.devices()[:num_devices],

@@ -37,7 +37,7 @@ from configs import base
 from layup_jax import data, models, optim
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
-from layup_jax.data.pipeline import Batch
+from layup_jax.data.pipeline import Batch, random_image_batches
 from layup_jax.flops import PEAK_FLOPS, compiled, flops_of
 from layup_jax.runtime import LayUpRuntime
 
@@ -75,9 +75,7 @@ def synthetic_batches(config, extras, seed: int):
       tokens = rng.integers(0, model.vocab_size, (batch, extras["seq_len"] + 1), dtype=np.int32)
       yield Batch(tokens[:, :-1], tokens[:, 1:])
     else:
-      size = extras["input_size"]
-      yield Batch(rng.normal(size=(batch, size, size, 3)).astype(np.float32),
-                  rng.integers(0, model.num_classes, batch).astype(np.int32))
+      yield from random_image_batches(batch, extras["input_size"], model.num_classes, seed)
 
 
 def transformer_flops(config, params, batch: int, seq_len: int) -> float | None:

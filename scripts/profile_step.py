@@ -23,12 +23,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-import numpy as np
 
 from configs import digits
 from layup_jax import algorithms, data, models, optim
 from layup_jax.algorithms.base import init_model
-from layup_jax.data.pipeline import Batch
+from layup_jax.data.pipeline import random_image_batches
 from layup_jax.runtime import LayUpRuntime
 
 
@@ -43,17 +42,11 @@ def build(model_name: str, num_devices: int, gossip: bool):
     return algorithms.build_runtime(config, model, tx, devices, dataset), dataset
   config.model.name, config.model.num_classes = "resnet18", 100
   model, tx = models.make_model(config.model), optim.make_optimizer(config.optimizer, 10_000)
-  rng = np.random.default_rng(0)
-
-  def batches():
-    while True:
-      yield Batch(rng.normal(size=(32, 32, 32, 3)).astype(np.float32),
-                  rng.integers(0, 100, 32).astype(np.int32))
-
-  example = next(batches())
+  example = next(random_image_batches(32, 32, 100, 0))
   params, state = init_model(config, model, example)
-  runtime = LayUpRuntime(model, tx, devices, [batches() for _ in devices], params, state, example,
-                         seed=0, gossip=gossip)
+  runtime = LayUpRuntime(model, tx, devices,
+                         [random_image_batches(32, 32, 100, i) for i in range(num_devices)],
+                         params, state, example, seed=0, gossip=gossip)
   return runtime, None
 
 

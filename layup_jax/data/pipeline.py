@@ -167,3 +167,13 @@ class EvalSet:
     starts = grain.MapDataset.range(0, self.num_batches * self.batch_size, self.batch_size)
     batches = starts.map(lambda start: _eval_batch(self.split, int(start), self.batch_size))
     return iter(batches.to_iter_dataset(self._read_options))
+
+
+def random_image_batches(batch_size: int, image_size: int, num_classes: int,
+                         seed: int) -> Iterator[Batch]:
+  """Endless batches of normal-random RGB images and uniform labels: inputs of a real shape for
+  benchmarks, where the values do not matter."""
+  rng = np.random.default_rng(seed)
+  while True:
+    yield Batch(rng.normal(size=(batch_size, image_size, image_size, 3)).astype(np.float32),
+                rng.integers(0, num_classes, batch_size).astype(np.int32))
