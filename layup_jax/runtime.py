@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -65,10 +66,14 @@ class Replica:
 
 
 def local_update(tx: optax.GradientTransformation, params, opt_state, grads,
-                 skip_nonfinite: bool = False):
-  """One Optax step of one stage: `(new_params, new_opt_state, grads_finite)`.
+                 first_nonfinite: jax.Array | None = None, skip_nonfinite: bool = False):
+  """One Optax step of one stage: `(new_params, new_opt_state, first_nonfinite)`.
 
-  With `skip_nonfinite`, a non-finite gradient leaves params and optimizer state as they were.
+  `first_nonfinite` follows the updates of one iteration in the order they are applied, so that
+  the host reads one scalar per iteration rather than a flag per stage: `-(n + 1)` while the n
+  gradients so far were finite (start with -1, the default), else the position n of the first
+  non-finite one. With `skip_nonfinite`, a non-finite gradient leaves params and optimizer state
+  as they were.
   """
   finite = nonfinite.all_finite(grads)
   updates, new_opt_state = tx.update(grads, opt_state, params)
@@ -76,7 +81,10 @@ def local_update(tx: optax.GradientTransformation, params, opt_state, grads,
   if skip_nonfinite:
     new_params, new_opt_state = nonfinite.select(finite, (new_params, new_opt_state),
                                                  (params, opt_state))
-  return new_params, new_opt_state, finite
+  so_far = jnp.int32(-1) if first_nonfinite is None else first_nonfinite
+  first_nonfinite = jnp.where(so_far >= 0, so_far,
+                              jnp.where(finite, so_far - 1, -so_far - 1)).astype(jnp.int32)
+  return new_params, new_opt_state, first_nonfinite
 
 
 def device_arrays_like(tree: PyTree, device_of: Callable[[int], jax.Device], count: int):
@@ -270,9 +278,12 @@ class LayUpRuntime:
         for i in range(self.num_devices)
     ]
     self._losses: list[list[float]] = [[] for _ in devices]
-    # Gradient finiteness flags not read yet, (iteration, stage, flag) per device, and how many
-    # iterations each updater has applied and skipped.
+    # Gradient finiteness of each device's iterations not read yet, (iteration, stages in the
+    # order updated, `local_update`'s first_nonfinite), that of the iteration under way, and how
+    # many iterations each updater has applied and skipped.
     self._finite_checks: list[collections.deque] = [collections.deque() for _ in devices]
+    self._all_finite = [jax.device_put(np.int32(-1), d) for d in devices]  # nothing checked yet
+    self._open_checks = [([], start) for start in self._all_finite]
     self._updates_done = [0] * self.num_devices
     self._skipped = [0] * self.num_devices
     # Stage each thread is at, to name it when it fails: (role, device) -> stage index.
@@ -311,25 +322,36 @@ class LayUpRuntime:
     return j if j < i else j + 1
 
   def _local_step(self, i: int, s: int, grads: PyTree) -> None:
-    """Local Optax step of stage s on device i (its finiteness flag is read later)."""
+    """Local Optax step of stage s on device i (its gradient's finiteness is read later)."""
     replica = self.replicas[i]
-    replica.params[s], replica.opt_state[s], finite = self._update(
-        replica.params[s], replica.opt_state[s], grads)
-    self._finite_checks[i].append((self._updates_done[i], s, finite))
+    order, so_far = self._open_checks[i]
+    replica.params[s], replica.opt_state[s], so_far = self._update(
+        replica.params[s], replica.opt_state[s], grads, so_far)
+    order.append(s)
+    self._open_checks[i] = (order, so_far)
 
-  def _check_finite(self, i: int, before: float = math.inf) -> None:
-    """Reads device i's gradient flags of iterations `< before` (by then they are computed):
-    counts skipped iterations, or raises NonFiniteError naming device, stage and step."""
-    checks, skipped_at = self._finite_checks[i], None
-    while checks and checks[0][0] < before:
-      iteration, stage, finite = checks.popleft()
-      if bool(finite) or iteration == skipped_at:
+  def _finish_updates(self, i: int) -> None:
+    """Device i's updater has applied its iteration: count it, queue its finiteness check."""
+    order, so_far = self._open_checks[i]
+    if order:
+      self._finite_checks[i].append((self._updates_done[i], order, so_far))
+    self._open_checks[i] = ([], self._all_finite[i])
+    self._updates_done[i] += 1
+
+  def _check_finite(self, i: int, wait: bool = True) -> None:
+    """Reads device i's gradient checks, counts skipped iterations, or raises NonFiniteError
+    naming device, stage and step. Without `wait` it stops at the first check not yet computed
+    (an updater never waits for its device)."""
+    checks = self._finite_checks[i]
+    while checks and (wait or checks[0][2].is_ready()):
+      iteration, order, first_nonfinite = checks.popleft()
+      position = int(first_nonfinite)
+      if position < 0:
         continue
       if not self._skip_nonfinite:
         raise NonFiniteError(
-            f"non-finite gradient of stage {stage} on device {i} at its step {iteration} "
-            f"(backward order: the first stage found non-finite)")
-      skipped_at = iteration
+            f"non-finite gradient of stage {order[position]} on device {i} at its step "
+            f"{iteration} (backward order: the first stage found non-finite)")
       self._skipped[i] += 1
 
   def _check_loss(self, i: int, iteration: int, loss: float) -> bool:
@@ -427,7 +449,7 @@ class LayUpRuntime:
     for s in reversed(range(self.num_stages)):
       self._on_stage(i, context, s, grads[s])
     self._end_iteration(i, context, lambda: None, wait=False)
-    self._updates_done[i] += 1
+    self._finish_updates(i)
     self._check_finite(i)
     return float(loss)
 
@@ -439,7 +461,7 @@ class LayUpRuntime:
     Concurrent first compilations race, and none may happen inside the timed loop.
     """
     example = (self._example_batch.inputs, self._example_batch.targets)
-    for replica in self.replicas:
+    for replica, all_finite in zip(self.replicas, self._all_finite):
       inputs, targets = jax.device_put(example, replica.device)
       iteration = jax.device_put(np.int32(0), replica.device)
       share = jax.device_put(np.float32(0.5), replica.device)
@@ -449,7 +471,8 @@ class LayUpRuntime:
                              targets, replica.stage_keys, iteration, grads.__setitem__),
                  state, grads]
       for s, stage_grads in enumerate(grads):
-        outputs.append(self._update(replica.params[s], replica.opt_state[s], stage_grads))
+        outputs.append(self._update(replica.params[s], replica.opt_state[s], stage_grads,
+                                    all_finite))
         outputs.append(self._merge(replica.params[s], replica.params[s], share))
         if self._has_state[s]:
           outputs.append(self._merge(replica.state[s], replica.state[s], share))
@@ -513,8 +536,8 @@ class LayUpRuntime:
         self._position["updater", i] = stage
         self._on_stage(i, context, stage, grads)
       self._position["updater", i] = None
-      self._updates_done[i] += 1
-      self._check_finite(i, before=self._updates_done[i] - 1)  # the previous iteration's
+      self._finish_updates(i)
+      self._check_finite(i, wait=False)
       # Last: once the iteration is marked finished the main thread may read this device.
       self._end_iteration(i, context, self._budget.finish, wait=True)
 

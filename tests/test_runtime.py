@@ -6,12 +6,13 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from layup_jax import pushsum
 from layup_jax.data import EvalSet, digits
 from layup_jax.evaluation import Evaluator
-from layup_jax.runtime import WorkerError
+from layup_jax.runtime import WorkerError, local_update
 from tests.helpers import make_layup_runtime, mlp_model
 
 
@@ -167,10 +168,10 @@ def test_an_exception_in_an_updater_thread_surfaces_with_its_device_and_stage():
   runtime.compile()
   update = runtime._update
 
-  def failing_update(params, opt_state, grads):
+  def failing_update(*args):
     if threading.current_thread().name == "layup-updater-2":
       raise FloatingPointError("injected")
-    return update(params, opt_state, grads)
+    return update(*args)
 
   runtime._update = failing_update
   with pytest.raises(WorkerError, match=r"updater thread of device 2 failed at stage 2: "
@@ -202,3 +203,18 @@ def test_without_gossip_each_device_trains_alone():
   chex.assert_trees_all_equal(together.replicas[1].params, alone.replicas[1].params)
   assert not np.allclose(jax.tree.leaves(together.replicas[0].params)[0],
                          jax.tree.leaves(together.replicas[1].params)[0])
+
+
+def test_one_scalar_per_iteration_names_the_first_non_finite_gradient():
+  # The updater chains one int32 through an iteration's updates and the host reads only it:
+  # -(n + 1) after n finite gradients, else the position of the first non-finite one.
+  tx = optax.sgd(0.1)
+  params = jnp.ones(3)
+  good, bad = jnp.ones(3), jnp.array([1.0, np.nan, 1.0])
+  positions = []
+  for iteration in ([good, good, bad, good, bad], [good, good, good], [bad, good]):
+    so_far = jnp.int32(-1)
+    for grads in iteration:
+      _, _, so_far = local_update(tx, params, tx.init(params), grads, so_far)
+    positions.append(int(so_far))
+  assert positions == [2, -4, 0]
