@@ -80,6 +80,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Store each stage's params and optimizer state as one flat vector (layup_jax/packing.py):
   # one array per stage in every optimizer step, send and merge. False: per-stage pytrees.
   config.layup.pack_stages = True
+  # What a stage's forward keeps for its backward: "dots" (default) only the outputs of
+  # convolutions and matrix multiplications, recomputing the elementwise work (normalization,
+  # activations) in the backward; "none" every residual; "full" only the stage's input.
+  config.layup.remat = "dots"
 
   # The periodic-averaging baselines (layup_jax/algorithms/periodic.py), named as in the paper.
   config.baselines = ml_collections.ConfigDict()

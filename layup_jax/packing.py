@@ -14,7 +14,9 @@ A stage's forward returns its VJP, whose residuals (the activations the backward
 are tens of arrays per stage; `pack_residuals` stores them as one buffer per dtype, so that the
 forward returns, and the backward takes, a few arrays instead (`StageSteps` with `packings`).
 Packing copies them, which pays only while they are small: stages whose residuals exceed
-`RESIDUALS_PACKED_UP_TO` bytes keep them as they are.
+`RESIDUALS_PACKED_UP_TO` bytes keep them as they are. Residuals that are the forward's own
+inputs (its params, its input activation) are never copied: jit would return a copy of an
+input, so they are left out and the backward is given them again.
 """
 
 import dataclasses
@@ -91,34 +93,45 @@ def _packable(dtype) -> bool:
   return jnp.issubdtype(dtype, np.number) or jnp.issubdtype(dtype, np.bool_)
 
 
-def pack_residuals(vjp: PyTree) -> PackedResiduals:
+def pack_residuals(vjp: PyTree, inputs: PyTree = (),
+                   packed_up_to: int | None = None) -> PackedResiduals:
   """`vjp`'s arrays concatenated per dtype (inside jit; PRNG keys and the like stay as they
-  are, one buffer each), or all kept as they are when they exceed `RESIDUALS_PACKED_UP_TO`."""
+  are, one buffer each), or all kept as they are when they exceed `packed_up_to` bytes (default
+  `RESIDUALS_PACKED_UP_TO`). Arrays that are leaves of `inputs` are left out: pass the same
+  `inputs` to `unpack_residuals`."""
+  limit = RESIDUALS_PACKED_UP_TO if packed_up_to is None else packed_up_to
   leaves, treedef = jax.tree.flatten(vjp)
-  size = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves
+  input_leaves = jax.tree.leaves(inputs)
+  given = [next((k for k, x in enumerate(input_leaves) if leaf is x), None) for leaf in leaves]
+  kept = [leaf for leaf, k in zip(leaves, given) if k is None]
+  size = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in kept
              if _packable(leaf.dtype))
-  if size > RESIDUALS_PACKED_UP_TO:
-    return PackedResiduals(tuple(leaves), (treedef, 0, tuple((None, ()) for _ in leaves)))
-  groups = sorted({np.dtype(leaf.dtype) for leaf in leaves if _packable(leaf.dtype)}, key=str)
-  buffers = [jnp.concatenate([jnp.ravel(leaf) for leaf in leaves if leaf.dtype == dtype])
+  packed = size <= limit
+  group_of = lambda leaf: np.dtype(leaf.dtype) if packed and _packable(leaf.dtype) else None
+  groups = sorted({group_of(leaf) for leaf in kept} - {None}, key=str)
+  buffers = [jnp.concatenate([jnp.ravel(leaf) for leaf in kept if group_of(leaf) == dtype])
              for dtype in groups]
-  others = [leaf for leaf in leaves if not _packable(leaf.dtype)]
-  slots = tuple((groups.index(np.dtype(leaf.dtype)) if _packable(leaf.dtype) else None,
-                 tuple(leaf.shape)) for leaf in leaves)
+  others = [leaf for leaf in kept if group_of(leaf) is None]
+  slots = tuple(("input", k) if k is not None else
+                (None if group_of(leaf) is None else groups.index(group_of(leaf)),
+                 tuple(leaf.shape)) for leaf, k in zip(leaves, given))
   return PackedResiduals(tuple(buffers + others), (treedef, len(groups), slots))
 
 
-def unpack_residuals(packed: PackedResiduals) -> PyTree:
-  """The VJP `pack_residuals` packed (inside jit)."""
+def unpack_residuals(packed: PackedResiduals, inputs: PyTree = ()) -> PyTree:
+  """The VJP `pack_residuals` packed (inside jit), given the same `inputs`."""
   treedef, num_groups, slots = packed.layout
+  input_leaves = jax.tree.leaves(inputs)
   offsets = [0] * num_groups
   others = iter(packed.buffers[num_groups:])
   leaves = []
   for group, shape in slots:
-    if group is None:
+    if group == "input":
+      leaves.append(input_leaves[shape])
+    elif group is None:
       leaves.append(next(others))
-      continue
-    size = math.prod(shape)
-    leaves.append(packed.buffers[group][offsets[group]:offsets[group] + size].reshape(shape))
-    offsets[group] += size
+    else:
+      size = math.prod(shape)
+      leaves.append(packed.buffers[group][offsets[group]:offsets[group] + size].reshape(shape))
+      offsets[group] += size
   return jax.tree.unflatten(treedef, leaves)

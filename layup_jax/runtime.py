@@ -220,6 +220,7 @@ class LayUpRuntime:
       gossip: bool = True,
       latency_every: int = 0,
       pack_stages: bool = True,
+      remat: str = "none",
   ):
     if bn_policy not in BN_POLICIES:
       raise ValueError(f"bn_policy must be one of {BN_POLICIES}, got {bn_policy!r}")
@@ -241,7 +242,8 @@ class LayUpRuntime:
       self._state_packings = [StagePacking.of(st) if has else None
                               for st, has in zip(init_state, self._has_state)]
     self._steps = make_stage_steps(model, keep_finite_state=self._skip_nonfinite,
-                                   packings=self._packings, state_packings=self._state_packings)
+                                   packings=self._packings, state_packings=self._state_packings,
+                                   remat=remat)
     if pack_stages:
       init_params = [jax.jit(k.pack)(p) for k, p in zip(self._packings, init_params)]
       init_state = [jax.jit(k.pack)(st) if k else st
@@ -636,9 +638,12 @@ class LayUpRuntime:
             jax.device_put(np.int32(0), replica.device))
 
   def flops_per_iteration(self, analyse: Callable = flops.lowered) -> float:
-    """XLA's FLOPs of one device's iteration (stage functions and updates; no gossip);
+    """XLA's FLOPs of one device's iteration (stage functions and updates; no gossip), the
+    model's FLOPs: counted without the backward's recomputation (`remat`), as MFU counts them;
     `analyse` is `flops.lowered` (no compilation) or `flops.compiled`."""
-    return flops.staged_flops(*self._iteration_arguments(), analyse=analyse)
+    model, _, *arguments = self._iteration_arguments()
+    steps = make_stage_steps(model, packings=self._packings, state_packings=self._state_packings)
+    return flops.staged_flops(model, steps, *arguments, analyse=analyse)
 
   def temp_bytes(self) -> int:
     """The largest scratch memory XLA allocates for one of this runtime's functions (a merge

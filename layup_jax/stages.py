@@ -21,6 +21,12 @@ from layup_jax.packing import StagePacking, pack_residuals, unpack_residuals
 
 PyTree = Any
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+# What a stage's forward keeps for its backward (`layup.remat`): "none" keeps every residual the
+# VJP asks for; "dots" only the outputs of matrix multiplications and convolutions, the
+# elementwise work (normalization, activations) being recomputed in the backward; "full" only
+# the stage's input, the whole stage being recomputed.
+REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_saveable,
+                  "full": jax.checkpoint_policies.nothing_saveable}
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -182,11 +188,12 @@ class StageSteps:
   forward[s] (s < L-1): (params, state, x, stage_key, iteration) -> (y, new_state, vjp)
   loss:                 (params, state, x, labels, stage_key, iteration)
                         -> (loss, new_state, grads, dx)   (dx is None for a one-stage model)
-  backward[s]:          (vjp, dy) -> (grads, dx); stage 0 returns (grads, None) so that XLA
-                        drops the unused input gradient.
+  backward[s]:          (vjp, (params, x), dy) -> (grads, dx), given the forward's own params
+                        and input again (its `vjp` holds no copy of them); stage 0 returns
+                        (grads, None) so that XLA drops the unused input gradient.
   add_tied[s]:          (grads, tied_grad) -> grads, for the owner stage of a tie.
   read_tied[s]:         (owner's params) -> the tied array, for the consumer stage of a tie.
-  With `packings`, `vjp` is a `PackedResiduals`: the VJP's arrays in one buffer per dtype.
+  `vjp` is a `PackedResiduals`: with `packings` the VJP's arrays in one buffer per dtype.
   A consumer stage's `x` and `dx` are `(activation, tied array)` pairs. Stages whose modules are
   equal (the repeated blocks of a ResNet or GPT-2) share one jitted function, so each compiles
   once per device rather than once per stage. With `packings`, every stage's params (and so its
@@ -202,11 +209,15 @@ class StageSteps:
 
 def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
                      packings: Sequence[StagePacking] | None = None,
-                     state_packings: Sequence[StagePacking | None] | None = None) -> StageSteps:
+                     state_packings: Sequence[StagePacking | None] | None = None,
+                     remat: str = "none") -> StageSteps:
   """The jitted per-stage functions; `keep_finite_state` keeps a stage's old BatchNorm
   statistics wherever a batch made the new ones non-finite (for skipped non-finite steps);
   `packings` (one per stage) makes them take and return flat params and gradients, and
-  `state_packings` flat state (None for a stage without state)."""
+  `state_packings` flat state (None for a stage without state); `remat` names what a forward
+  keeps for its backward (`REMAT_POLICIES`)."""
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
   last = model.num_stages - 1
   guard_state = nonfinite.keep_finite if keep_finite_state else lambda new, old: new
   same = lambda tree: tree
@@ -215,8 +226,8 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   layouts = list(state_packings or [None] * model.num_stages)
   unpack_state = [p.unpack if p else same for p in layouts]
   pack_state = [p.pack if p else same for p in layouts]
-  pack_vjp = pack_residuals if packings else same
-  unpack_vjp = unpack_residuals if packings else same
+  packed_up_to = None if packings else 0  # without packings residuals are only stripped
+  policy = REMAT_POLICIES[remat]
 
   forwards: dict[Any, Callable] = {}
 
@@ -236,19 +247,20 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
 
     def forward(params, state, x, key, iteration):
       rng = jax.random.fold_in(key, iteration)
-      y, vjp, new_state = jax.vjp(
-          lambda p, h: apply_module(module, unpack_params(p), unpack_st(state), h, rng, True),
-          params, x, has_aux=True
-      )
-      return y, guard_state(pack_st(new_state), state), pack_vjp(vjp)
+      apply = lambda p, h: apply_module(module, unpack_params(p), unpack_st(state), h, rng, True)
+      if policy is not None:
+        apply = jax.checkpoint(apply, policy=policy)
+      y, vjp, new_state = jax.vjp(apply, params, x, has_aux=True)
+      residuals = pack_residuals(vjp, (params, x), packed_up_to)
+      return y, guard_state(pack_st(new_state), state), residuals
 
     return jax.jit(forward)
 
-  def backward(vjp, dy):
-    return unpack_vjp(vjp)(dy)
+  def backward(vjp, inputs, dy):
+    return unpack_residuals(vjp, inputs)(dy)
 
-  def first_backward(vjp, dy):
-    return unpack_vjp(vjp)(dy)[0], None  # XLA drops the unused input gradient
+  def first_backward(vjp, inputs, dy):
+    return unpack_residuals(vjp, inputs)(dy)[0], None  # XLA drops the unused input gradient
 
   def loss(params, state, x, labels, key, iteration):
     rng = jax.random.fold_in(key, iteration)
@@ -298,7 +310,7 @@ def staged_pass(
   Returns `(loss, grads of stage 0)`.
   """
   last = model.num_stages - 1
-  vjps = []
+  vjps, inputs = [], []
 
   def stage_input(s: int, x: PyTree) -> PyTree:
     if s in steps.read_tied:  # packed params: the tied array is cut out on the device
@@ -307,9 +319,10 @@ def staged_pass(
 
   for s in range(last):
     on_stage(s)
-    x_in = stage_input(s, x)
-    x, state[s], vjp = steps.forward[s](read_params(s), state[s], x_in, stage_keys[s], iteration)
+    x_in, params = stage_input(s, x), read_params(s)
+    x, state[s], vjp = steps.forward[s](params, state[s], x_in, stage_keys[s], iteration)
     vjps.append(vjp)
+    inputs.append((params, x_in))  # given to its backward again: the residuals hold no copy
   on_stage(last)
   x_in = stage_input(last, x)
   loss, state[last], grads, dx = steps.loss(read_params(last), state[last], x_in, labels,
@@ -318,8 +331,8 @@ def staged_pass(
   for s in reversed(range(last + 1)):
     if s < last:
       on_stage(s)
-      grads, dx = steps.backward[s](vjps[s], dx)
-      vjps[s] = None  # drop the residuals as soon as they are used
+      grads, dx = steps.backward[s](vjps[s], inputs[s], dx)
+      vjps[s] = inputs[s] = None  # drop the residuals as soon as they are used
     tie = model.tie_of(s)
     if tie is not None:
       dx, tied_grads[tie.owner] = dx

@@ -71,3 +71,19 @@ def test_packed_residuals_give_the_same_gradients_with_fewer_arrays(packed_up_to
   want = jax.jit(lambda v: v(1.0))(vjp)
   got = jax.jit(lambda p: packing.unpack_residuals(p)(1.0))(packed)
   chex.assert_trees_all_close(got, want)
+
+
+def test_residuals_that_are_the_forward_inputs_are_passed_again_not_copied():
+  def forward(w, x):
+    y, vjp = jax.vjp(lambda w, x: jnp.tanh(x @ w), w, x)
+    return y, packing.pack_residuals(vjp, (w, x)), packing.pack_residuals(vjp)
+
+  w = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+  x = np.ones((5, 3), np.float32)
+  _, stripped, copied = jax.jit(forward)(w, x)
+  size = lambda residuals: sum(leaf.nbytes for leaf in jax.tree.leaves(residuals))
+  assert size(copied) - size(stripped) == w.nbytes + x.nbytes
+  dy = np.ones((5, 4), np.float32)
+  got = jax.jit(lambda r, w, x: packing.unpack_residuals(r, (w, x))(dy))(stripped, w, x)
+  want = jax.jit(lambda r: packing.unpack_residuals(r)(dy))(copied)
+  chex.assert_trees_all_close(got, want)

@@ -95,6 +95,20 @@ def init_model(config: ml_collections.ConfigDict, model: StagedModel, example_ba
   return params, state
 
 
+def runtime_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The `LayUpRuntime` keyword arguments that LayUp and the baselines on its runtime all take
+  from the config."""
+  return {
+      "seed": config.seed,
+      "max_dispatch_ahead": config.layup.max_dispatch_ahead,
+      "straggler_device": config.straggler.device,
+      "straggler_delay_iters": config.straggler.delay_iters,
+      "nonfinite_policy": config.faults.nonfinite,
+      "pack_stages": config.layup.pack_stages,
+      "remat": config.layup.remat,
+  }
+
+
 class IterationClock:
   """Idles a straggler `delay_iters` times its mean iteration time before each iteration.
 

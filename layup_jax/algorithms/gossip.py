@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from layup_jax.algorithms.base import init_model
+from layup_jax.algorithms.base import init_model, runtime_options
 from layup_jax.data import Dataset
 from layup_jax.runtime import PICK, LayUpRuntime
 from layup_jax.stages import StagedModel
@@ -83,12 +83,6 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
   params, state = init_model(config, model, dataset.example_batch)
   return runtime_class(
       model, tx, devices, dataset.train, params, state, dataset.example_batch,
-      seed=config.seed, bn_policy=config.layup.bn_policy,
-      max_dispatch_ahead=config.layup.max_dispatch_ahead,
-      straggler_device=config.straggler.device,
-      straggler_delay_iters=config.straggler.delay_iters,
-      nonfinite_policy=config.faults.nonfinite,
-      gossip=config.layup.gossip,
-      latency_every=config.metrics.latency_every,
-      pack_stages=config.layup.pack_stages,
+      bn_policy=config.layup.bn_policy, gossip=config.layup.gossip,
+      latency_every=config.metrics.latency_every, **runtime_options(config),
   )

@@ -34,7 +34,7 @@ import ml_collections
 import optax
 
 from layup_jax import collectives
-from layup_jax.algorithms.base import init_model
+from layup_jax.algorithms.base import init_model, runtime_options
 from layup_jax.data import Dataset
 from layup_jax.errors import ConfigError
 from layup_jax.runtime import PICK, LayUpRuntime, PeriodSync, device_arrays_like
@@ -243,10 +243,7 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
   params, state = init_model(config, model, dataset.example_batch)
   return PeriodicAveragingRuntime(
       model, tx, devices, dataset.train, params, state, dataset.example_batch,
-      seed=config.seed, bn_policy="mix", max_dispatch_ahead=config.layup.max_dispatch_ahead,
-      straggler_device=config.straggler.device,
-      straggler_delay_iters=config.straggler.delay_iters,
-      nonfinite_policy=config.faults.nonfinite, pack_stages=config.layup.pack_stages,
-      tau=config.baselines.tau, out_freq=config.baselines.out_freq,
-      outer_tx=_outer_tx(config), lag=1 if config.algorithm == "co2" else 0,
+      bn_policy="mix", **runtime_options(config), tau=config.baselines.tau,
+      out_freq=config.baselines.out_freq, outer_tx=_outer_tx(config),
+      lag=1 if config.algorithm == "co2" else 0,
   )
