@@ -84,6 +84,10 @@ def get_config() -> ml_collections.ConfigDict:
   # convolutions and matrix multiplications, recomputing the elementwise work (normalization,
   # activations) in the backward; "none" every residual; "full" only the stage's input.
   config.layup.remat = "dots"
+  # Sends (one stage each) an updater may have dispatched to peers before it waits for the
+  # oldest to land: bounds the copies of its stages that peers hold. 0 = no bound (an updater
+  # never waits on a slow peer).
+  config.layup.max_sends_in_flight = 0
 
   # The periodic-averaging baselines (layup_jax/algorithms/periodic.py), named as in the paper.
   config.baselines = ml_collections.ConfigDict()

@@ -96,6 +96,39 @@ def device_arrays_like(tree: PyTree, device_of: Callable[[int], jax.Device], cou
   return [like(j) for j in range(count)]
 
 
+def _device_put(tree: PyTree, device: jax.Device) -> PyTree:
+  return jax.device_put(tree, device)
+
+
+def _copy_arrays(tree: PyTree, device: jax.Device) -> PyTree:
+  """A copy of every array of `tree` on `device`, one C++ call per array: a tenth of
+  `jax.device_put`'s cost for one array on jax 0.10, whose Python layer handles every input
+  kind."""
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  return jax.tree.map(
+      lambda x: _batched_device_put(x.aval, sharding, [x], [device]), tree)
+
+
+try:  # jax's internal transfer; `jax.device_put` where it is missing or behaves otherwise
+  from jax._src.interpreters.pxla import batched_device_put as _batched_device_put
+except ImportError:
+  _batched_device_put = None
+
+
+def _pick_transfer():
+  if _batched_device_put is None or len(jax.devices()) < 2:
+    return _device_put
+  try:
+    source = jax.device_put(np.arange(3, dtype=np.float32), jax.devices()[0])
+    copied = _copy_arrays(source, jax.devices()[1])
+    if copied.devices() == {jax.devices()[1]} and np.array_equal(copied, source):
+      return _copy_arrays
+  except Exception:  # noqa: BLE001 - any change of the internal API: use the public one
+    pass
+  return _device_put
+
+
+
 class _Budget:
   """Iterations the compute threads may start, and how many their updaters have finished.
 
@@ -199,7 +232,7 @@ class PeriodSync:
 class LayUpRuntime:
   """LayUp on the given devices, threaded, or one iteration at a time with `iterate_serial`."""
 
-  donates_buffers = False  # arrays are replaced, never donated: a checkpoint may read them later
+  donates_buffers = True  # Optax states are donated to their updates: a checkpoint copies first
 
   def __init__(
       self,
@@ -220,7 +253,8 @@ class LayUpRuntime:
       gossip: bool = True,
       latency_every: int = 0,
       pack_stages: bool = True,
-      remat: str = "none",
+      remat: str = "dots",
+      max_sends_in_flight: int = 0,
   ):
     if bn_policy not in BN_POLICIES:
       raise ValueError(f"bn_policy must be one of {BN_POLICIES}, got {bn_policy!r}")
@@ -251,9 +285,14 @@ class LayUpRuntime:
       self._unpack = [jax.jit(k.unpack) for k in self._packings]
       self._unpack_state = [jax.jit(k.unpack) if k else (lambda st: st)
                             for k in self._state_packings]
+    # Donated: the Optax state and the gradient, which only the updater reads (the new params
+    # take the gradient's buffer), and the received copy of a peer's stage (the merge's output
+    # takes its buffer). Params are never donated: forwards, backwards and peers read them.
     self._update = jax.jit(functools.partial(local_update, tx,
-                                             skip_nonfinite=self._skip_nonfinite))
-    self._merge = jax.jit(pushsum.merge)
+                                             skip_nonfinite=self._skip_nonfinite),
+                           donate_argnums=(1, 2))
+    self._merge = jax.jit(pushsum.merge, donate_argnums=(1,))
+    self._transfer = _pick_transfer()
     self._ahead = max_dispatch_ahead
     self._gossip = gossip  # False: local steps only, no peer (an ablation of communication)
     # Every `latency_every`-th iteration of a device its updater times each stage from gradient
@@ -294,6 +333,9 @@ class LayUpRuntime:
         queue.Queue(maxsize=self.num_stages * max_dispatch_ahead) for _ in devices
     ]
     self._budget = _Budget()
+    # Merges each updater has dispatched to peers and not yet seen land, oldest first.
+    self._sends_in_flight = [collections.deque() for _ in devices]
+    self._max_sends_in_flight = max_sends_in_flight or math.inf
     self._stop = threading.Event()
     self._failures: list[tuple[str, int, int | None, BaseException]] = []
     self._threads: list[threading.Thread] = []
@@ -379,12 +421,18 @@ class LayUpRuntime:
     dispatch from an updater thread; they add up over stages and devices).
     """
     replica, peer = self.replicas[i], self.replicas[j]
-    received = jax.device_put(self._sent_part(replica, s), peer.device)
+    in_flight = self._sends_in_flight[i]
+    while in_flight and in_flight[0].is_ready():
+      in_flight.popleft()
+    while len(in_flight) >= self._max_sends_in_flight:  # bounds what peers hold of ours
+      jax.block_until_ready(in_flight.popleft())
+    received = self._transfer(self._sent_part(replica, s), peer.device)
     merged = self._merge(self._sent_part(peer, s), received, np.float32(share))
     if isinstance(merged, tuple):
       peer.params[s], peer.state[s] = merged
     else:
       peer.params[s] = merged
+    in_flight.append(jax.tree.leaves(merged)[0])
     return merged
 
   def _update_and_send(self, i: int, j: int | None, s: int, grads: PyTree, sent: float) -> None:
@@ -469,17 +517,18 @@ class LayUpRuntime:
       share = jax.device_put(np.float32(0.5), replica.device)
       grads: list[PyTree] = [None] * self.num_stages
       state = list(replica.state)  # the warm-up leaves the replica as it is
-      outputs = [staged_pass(self._model, self._steps, replica.params.__getitem__, state, inputs,
-                             targets, replica.stage_keys, iteration, grads.__setitem__),
-                 state, grads]
+      loss, _ = staged_pass(self._model, self._steps, replica.params.__getitem__, state, inputs,
+                            targets, replica.stage_keys, iteration, grads.__setitem__)
+      outputs = [loss, state]  # not the gradients: their updates take them
+      copy = lambda tree: jax.tree.map(jnp.copy, tree)  # donated arguments: not the replica's
       for s, stage_grads in enumerate(grads):
-        outputs.append(self._update(replica.params[s], replica.opt_state[s], stage_grads,
+        outputs.append(self._update(replica.params[s], copy(replica.opt_state[s]), stage_grads,
                                     all_finite))
-        outputs.append(self._merge(replica.params[s], replica.params[s], share))
+        outputs.append(self._merge(replica.params[s], copy(replica.params[s]), share))
         if self._has_state[s]:
-          outputs.append(self._merge(replica.state[s], replica.state[s], share))
+          outputs.append(self._merge(replica.state[s], copy(replica.state[s]), share))
         sent = self._sent_part(replica, s)  # the form `_send_stage` merges
-        outputs.append(self._merge(sent, sent, np.float32(0.5)))
+        outputs.append(self._merge(sent, copy(sent), np.float32(0.5)))
       jax.block_until_ready(outputs)
 
   # --- the threads ----------------------------------------------------------------------------
@@ -501,7 +550,13 @@ class LayUpRuntime:
         return
       clock.start_iteration(idle=self._stop.wait)
       iteration = self.replicas[i].iteration
-      loss, last_grads = self._compute_iteration(i, lambda s, g: self._hand_over(i, (s, g)))
+
+      def emit(s: int, grads: PyTree) -> None:
+        if s == 0:  # the backward pass's last output (the updater will donate it)
+          clock.end_iteration(grads)
+        self._hand_over(i, (s, grads))
+
+      loss, _ = self._compute_iteration(i, emit)
       pending.append((iteration, loss))
       # Bound how far this thread dispatches ahead of its device (the loss is ready once the
       # forward pass of that iteration has run).
@@ -509,7 +564,6 @@ class LayUpRuntime:
         iteration, loss = pending.popleft()
         if self._check_loss(i, iteration, float(loss)):
           self._losses[i].append(float(loss))
-      clock.end_iteration(last_grads)
 
   def _hand_over(self, i: int, item) -> None:
     while not self._stop.is_set():

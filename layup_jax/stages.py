@@ -188,8 +188,8 @@ class StageSteps:
   forward[s] (s < L-1): (params, state, x, stage_key, iteration) -> (y, new_state, vjp)
   loss:                 (params, state, x, labels, stage_key, iteration)
                         -> (loss, new_state, grads, dx)   (dx is None for a one-stage model)
-  backward[s]:          (vjp, (params, x), dy) -> (grads, dx), given the forward's own params
-                        and input again (its `vjp` holds no copy of them); stage 0 returns
+  backward[s]:          (vjp, (params, x), dy) -> (grads, dx), given the stage's params and the
+                        forward's input (its `vjp` holds no copy of them); stage 0 returns
                         (grads, None) so that XLA drops the unused input gradient.
   add_tied[s]:          (grads, tied_grad) -> grads, for the owner stage of a tie.
   read_tied[s]:         (owner's params) -> the tied array, for the consumer stage of a tie.
@@ -304,9 +304,10 @@ def staged_pass(
 ):
   """One forward and backward pass, dispatched stage by stage (paper Algorithm 1, compute side).
 
-  `read_params(s)` is called when stage s is dispatched, so a stage uses the freshest params;
-  `state[s]` is replaced as soon as stage s's forward returns; `emit(s, grads)` is called as soon
-  as stage s's gradient is dispatched, last stage first; `stage_keys[s]` is `stage_key(key, s)`.
+  `read_params(s)` is called when stage s's forward and its backward are dispatched, so each uses
+  the freshest params; `state[s]` is replaced as soon as stage s's forward returns; `emit(s,
+  grads)` is called as soon as stage s's gradient is dispatched, last stage first;
+  `stage_keys[s]` is `stage_key(key, s)`.
   Returns `(loss, grads of stage 0)`.
   """
   last = model.num_stages - 1
@@ -319,10 +320,11 @@ def staged_pass(
 
   for s in range(last):
     on_stage(s)
-    x_in, params = stage_input(s, x), read_params(s)
-    x, state[s], vjp = steps.forward[s](params, state[s], x_in, stage_keys[s], iteration)
+    x_in = stage_input(s, x)
+    x, state[s], vjp = steps.forward[s](read_params(s), state[s], x_in, stage_keys[s],
+                                        iteration)
     vjps.append(vjp)
-    inputs.append((params, x_in))  # given to its backward again: the residuals hold no copy
+    inputs.append(x_in)  # given to its backward again: the residuals hold no copy
   on_stage(last)
   x_in = stage_input(last, x)
   loss, state[last], grads, dx = steps.loss(read_params(last), state[last], x_in, labels,
@@ -331,7 +333,10 @@ def staged_pass(
   for s in reversed(range(last + 1)):
     if s < last:
       on_stage(s)
-      grads, dx = steps.backward[s](vjps[s], inputs[s], dx)
+      # The stage's params as they are now: updates that landed since its forward are used
+      # (the paper's "backward pass on different weights", Section 6.1), and no superseded
+      # copy of them is kept for the backward.
+      grads, dx = steps.backward[s](vjps[s], (read_params(s), inputs[s]), dx)
       vjps[s] = inputs[s] = None  # drop the residuals as soon as they are used
     tie = model.tie_of(s)
     if tie is not None:

@@ -13,10 +13,12 @@
               consensus test accuracy after the run's 70 steps (fresher parameters against
               more overlap).
 
-Compilation excluded (each runtime is compiled and warmed up first); medians of `--repeats`
-repeats, the two sides of a ratio run back to back in alternating order.
+Compilation excluded: both sides of a ratio are built, compiled and warmed up once, then timed
+in short blocks (`--iterations` iterations on one device; 10 steps of digits, 1 of ResNet-18),
+alternating sides, `--repeats` rounds; the ratio is the median of the per-round ratios, so both
+sides see the same moments of a shared machine. `--ahead` runs each value `--repeats` times.
 
-  python scripts/bench_runtime.py --repeats 5 --gossip-cases digits resnet18-cifar
+  python scripts/bench_runtime.py --repeats 15 --gossip-cases digits resnet18-cifar
 """
 
 import argparse
@@ -41,7 +43,7 @@ from layup_jax.data.pipeline import random_image_batches
 from layup_jax.evaluation import Evaluator
 from layup_jax.runtime import LayUpRuntime
 
-STEPS = {"digits": (10, 60), "resnet18-cifar": (1, 3)}  # warm-up and timed steps per case
+STEPS = {"digits": 10, "resnet18-cifar": 1}  # steps per timed block
 
 
 class _NoData:
@@ -79,18 +81,6 @@ def build_resnet18(num_devices: int, gossip: bool):
   return runtime, _NoData()
 
 
-def serial_seconds(iterations: int, warmup: int) -> float:
-  runtime, dataset = build(1)
-  for _ in range(warmup):
-    runtime.iterate_serial(0)
-  start = time.perf_counter()
-  for _ in range(iterations):
-    runtime.iterate_serial(0)
-  elapsed = time.perf_counter() - start
-  dataset.close()
-  return elapsed / iterations
-
-
 def ahead_run(num_devices: int, ahead: int, warmup: int = 10, steps: int = 60):
   """Seconds per step of digits with `max_dispatch_ahead=ahead`, and the final test accuracy."""
   runtime, dataset = build(num_devices, ahead=ahead)
@@ -106,65 +96,98 @@ def ahead_run(num_devices: int, ahead: int, warmup: int = 10, steps: int = 60):
   return elapsed / steps, accuracy
 
 
-def threaded_seconds(num_devices: int, steps: int, warmup: int, gossip: bool = True,
-                     case: str = "digits") -> float:
-  """Seconds per step (num_devices iterations) of the threaded runtime."""
-  runtime, dataset = build(num_devices, gossip, case)
-  runtime.run_until(warmup * num_devices, lambda done: None)
+def threaded_block(runtime, iterations: int) -> float:
+  """Seconds for `iterations` more iterations of the threaded runtime."""
   start = time.perf_counter()
-  runtime.run_until((warmup + steps) * num_devices, lambda done: None)
-  elapsed = time.perf_counter() - start
-  runtime.close()
-  dataset.close()
-  return elapsed / steps
+  runtime.run_until(runtime.iterations_done() + iterations, lambda done: None)
+  return time.perf_counter() - start
+
+
+def serial_block(runtime, iterations: int) -> float:
+  start = time.perf_counter()
+  for _ in range(iterations):
+    runtime.iterate_serial(0)
+  return time.perf_counter() - start
+
+
+def interleaved(blocks: dict, rounds: int, per_unit: dict) -> dict[str, list[float]]:
+  """Times each side's block once per round, in alternating order, after one warm-up block:
+  both sides of a ratio see the same moments of this shared machine. Seconds per unit."""
+  for block in blocks.values():
+    block()
+  times = {side: [] for side in blocks}
+  for r in range(rounds):
+    for side in (list(blocks) if r % 2 == 0 else list(blocks)[::-1]):
+      times[side].append(blocks[side]() / per_unit[side])
+  return times
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+  return statistics.median(a / b for a, b in zip(numerators, denominators))
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--num-devices", type=int, default=8)
-  parser.add_argument("--iterations", type=int, default=200, help="one-device iterations")
+  parser.add_argument("--iterations", type=int, default=50,
+                      help="one-device iterations per timed block")
   parser.add_argument("--gossip-cases", nargs="+", default=["digits"], choices=sorted(STEPS))
   parser.add_argument("--ahead", nargs="*", type=int, default=[],
                       help="values of layup.max_dispatch_ahead to compare (digits)")
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=15, help="rounds of timed blocks")
   parser.add_argument("--out", default="bench_runtime.json")
   args = parser.parse_args()
   jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="layup_jax_cache_"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
-  runs = []
-  for repeat in range(args.repeats):
-    flip = repeat % 2 == 1
-    one = {}
-    for side in (["threaded", "serial"] if flip else ["serial", "threaded"]):
-      one[side] = (serial_seconds(args.iterations, 20) if side == "serial"
-                   else threaded_seconds(1, args.iterations, 20))
-    run = {"repeat": repeat, "serial_ms": 1e3 * one["serial"],
-           "one_device_threaded_ms": 1e3 * one["threaded"],
-           "one_device_ratio": one["threaded"] / one["serial"]}
-    print(f"repeat {repeat}: one device {run['one_device_threaded_ms']:.2f} ms threaded vs "
-          f"{run['serial_ms']:.2f} ms serial ({run['one_device_ratio']:.3f})", flush=True)
-    for case in args.gossip_cases:
-      warmup, steps = STEPS[case]
-      gossip = {}
-      for side in ([False, True] if flip else [True, False]):
-        gossip[side] = threaded_seconds(args.num_devices, steps, warmup, side, case)
-      run.update({f"{case}_gossip_on_ms_per_step": 1e3 * gossip[True],
-                  f"{case}_gossip_off_ms_per_step": 1e3 * gossip[False],
-                  f"{case}_gossip_ratio": gossip[True] / gossip[False]})
-      print(f"  {case}, {args.num_devices} devices: gossip on {1e3 * gossip[True]:.1f} vs off "
-            f"{1e3 * gossip[False]:.1f} ms/step ({gossip[True] / gossip[False]:.3f})",
-            flush=True)
-    for ahead in (args.ahead[::-1] if flip else args.ahead):
+  # One device: the threaded runtime against the bare staged step, both built once.
+  (serial, serial_data), (threaded, threaded_data) = build(1), build(1)
+  block = args.iterations
+  one = interleaved({"serial": lambda: serial_block(serial, block),
+                     "threaded": lambda: threaded_block(threaded, block)},
+                    args.repeats, {"serial": block, "threaded": block})
+  threaded.close()
+  for closing in (serial_data, threaded_data):
+    closing.close()
+  table = {"serial_ms": 1e3 * statistics.median(one["serial"]),
+           "one_device_threaded_ms": 1e3 * statistics.median(one["threaded"]),
+           "one_device_ratio": median_ratio(one["threaded"], one["serial"])}
+  runs = {"one_device_serial_ms": [1e3 * t for t in one["serial"]],
+          "one_device_threaded_ms": [1e3 * t for t in one["threaded"]]}
+  print(f"one device: {table['one_device_threaded_ms']:.2f} ms threaded vs "
+        f"{table['serial_ms']:.2f} ms serial per iteration ({table['one_device_ratio']:.3f})",
+        flush=True)
+  for case in args.gossip_cases:  # gossip on and off, both runtimes built once
+    steps = STEPS[case]
+    built = {side: build(args.num_devices, side == "on", case) for side in ("on", "off")}
+    units = {side: steps for side in built}
+    times = interleaved({side: (lambda rt=runtime: threaded_block(rt, steps * args.num_devices))
+                         for side, (runtime, _) in built.items()},
+                        args.repeats, units)
+    for runtime, dataset in built.values():
+      runtime.close()
+      dataset.close()
+    table.update({f"{case}_gossip_on_ms_per_step": 1e3 * statistics.median(times["on"]),
+                  f"{case}_gossip_off_ms_per_step": 1e3 * statistics.median(times["off"]),
+                  f"{case}_gossip_ratio": median_ratio(times["on"], times["off"])})
+    runs.update({f"{case}_gossip_{side}_ms_per_step": [1e3 * t for t in times[side]]
+                 for side in times})
+    print(f"{case}, {args.num_devices} devices: gossip on "
+          f"{table[f'{case}_gossip_on_ms_per_step']:.1f} vs off "
+          f"{table[f'{case}_gossip_off_ms_per_step']:.1f} ms/step "
+          f"({table[f'{case}_gossip_ratio']:.3f})", flush=True)
+  ahead_runs = []
+  for repeat in range(args.repeats if args.ahead else 0):
+    for ahead in (args.ahead[::-1] if repeat % 2 else args.ahead):
       seconds, accuracy = ahead_run(args.num_devices, ahead)
-      run.update({f"ahead{ahead}_ms_per_step": 1e3 * seconds,
-                  f"ahead{ahead}_accuracy": accuracy})
+      ahead_runs.append({"ahead": ahead, "ms_per_step": 1e3 * seconds, "accuracy": accuracy})
       print(f"  max_dispatch_ahead {ahead}: {1e3 * seconds:.1f} ms/step, test accuracy "
             f"{accuracy:.4f} after 70 steps", flush=True)
-    runs.append(run)
+  for ahead in args.ahead:
+    mine = [r for r in ahead_runs if r["ahead"] == ahead]
+    table[f"ahead{ahead}_ms_per_step"] = statistics.median(r["ms_per_step"] for r in mine)
+    table[f"ahead{ahead}_accuracy"] = statistics.median(r["accuracy"] for r in mine)
 
-  table = {key: statistics.median(r[key] for r in runs)
-           for key in runs[0] if key != "repeat"}
   print(f"\n{'measure':<48}{'median':>10}{'target':>9}")
   print(f"{'one device (digits): runtime / bare staged step':<48}"
         f"{table['one_device_ratio']:>10.3f}{'<= 1.05':>9}")
@@ -186,7 +209,7 @@ def main() -> None:
   with open(args.out, "w") as f:
     json.dump({"measured": f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
                f"{jax.devices()[0].device_kind}, jax {jax.__version__}", "args": vars(args), "table": table, "gossip": gossip_rows, "ahead": ahead_rows,
-               "runs": runs}, f, indent=2)
+               "runs": runs, "ahead_runs": ahead_runs}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import pytest
 from layup_jax import pushsum
 from layup_jax.data import EvalSet, digits
 from layup_jax.evaluation import Evaluator
+from layup_jax import runtime as runtime_module
 from layup_jax.runtime import WorkerError, local_update
 from tests.helpers import make_layup_runtime, mlp_model
 
@@ -218,3 +219,31 @@ def test_one_scalar_per_iteration_names_the_first_non_finite_gradient():
       _, _, so_far = local_update(tx, params, tx.init(params), grads, so_far)
     positions.append(int(so_far))
   assert positions == [2, -4, 0]
+
+
+def test_an_updater_keeps_at_most_max_sends_in_flight_merges_not_yet_landed():
+  runtime = make_layup_runtime(4, max_sends_in_flight=1)
+  runtime.compile()
+  send, most = runtime._send_stage, [0]
+
+  def counted_send(i, *args):
+    landed = send(i, *args)
+    most[0] = max(most[0], len(runtime._sends_in_flight[i]))
+    return landed
+
+  runtime._send_stage = counted_send
+  runtime.run_until(4 * 20, lambda _: None)
+  runtime.close()
+  assert most[0] == 1  # every send waited for the previous one to land
+  assert runtime.weight_sum() == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_stage_sent_to_a_peer_arrives_as_an_exact_copy_on_that_device():
+  # The runtime's transfer (a direct copy where jax's internals allow it, else device_put).
+  source, target = jax.devices()[0], jax.devices()[3]
+  tree = (jax.device_put(np.arange(5, dtype=np.float32), source),
+          jax.device_put(np.ones((2, 3), jnp.bfloat16), source))
+  for transfer in (runtime_module._pick_transfer(), runtime_module._device_put):
+    copied = transfer(tree, target)
+    assert all(leaf.devices() == {target} for leaf in copied)
+    chex.assert_trees_all_equal(jax.device_get(copied), jax.device_get(tree))

@@ -84,5 +84,6 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
   return runtime_class(
       model, tx, devices, dataset.train, params, state, dataset.example_batch,
       bn_policy=config.layup.bn_policy, gossip=config.layup.gossip,
-      latency_every=config.metrics.latency_every, **runtime_options(config),
+      latency_every=config.metrics.latency_every,
+      max_sends_in_flight=config.layup.max_sends_in_flight, **runtime_options(config),
   )

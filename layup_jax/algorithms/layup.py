@@ -23,5 +23,6 @@ def build(
   return LayUpRuntime(
       model, tx, devices, dataset.train, params, state, dataset.example_batch,
       bn_policy=config.layup.bn_policy, gossip=config.layup.gossip,
-      latency_every=config.metrics.latency_every, **runtime_options(config),
+      latency_every=config.metrics.latency_every,
+      max_sends_in_flight=config.layup.max_sends_in_flight, **runtime_options(config),
   )
