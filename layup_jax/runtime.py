@@ -11,8 +11,8 @@ is dispatched (so updates that land mid-forward are used), then the stage VJPs i
 handing each stage's gradient to updater i as soon as it is dispatched.
 
 Updater thread i, per iteration: pick a uniformly random peer j != i, halve w_i; per stage as its
-gradient arrives: local Optax step on device i, `jax.device_put` of the updated stage to device j,
-push-sum merge on device j; after the last stage w_j += the sent weight.
+gradient arrives: local Optax step on device i, a copy of the updated stage onto device j
+(`layup_jax.transfer`), push-sum merge on device j; after the last stage w_j += the sent weight.
 
 BatchNorm running statistics under gossip (`bn_policy`):
   "mix" (default): statistics travel with their stage and are merged with the same push-sum
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from layup_jax import flops, nonfinite, pushsum, remap
+from layup_jax import flops, nonfinite, pushsum, remap, transfer
 from layup_jax.algorithms.base import IterationClock, Snapshot, mean_or_nan
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import NonFiniteError
@@ -94,39 +94,6 @@ def device_arrays_like(tree: PyTree, device_of: Callable[[int], jax.Device], cou
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
   return [like(j) for j in range(count)]
-
-
-def _device_put(tree: PyTree, device: jax.Device) -> PyTree:
-  return jax.device_put(tree, device)
-
-
-def _copy_arrays(tree: PyTree, device: jax.Device) -> PyTree:
-  """A copy of every array of `tree` on `device`, one C++ call per array: a tenth of
-  `jax.device_put`'s cost for one array on jax 0.10, whose Python layer handles every input
-  kind."""
-  sharding = jax.sharding.SingleDeviceSharding(device)
-  return jax.tree.map(
-      lambda x: _batched_device_put(x.aval, sharding, [x], [device]), tree)
-
-
-try:  # jax's internal transfer; `jax.device_put` where it is missing or behaves otherwise
-  from jax._src.interpreters.pxla import batched_device_put as _batched_device_put
-except ImportError:
-  _batched_device_put = None
-
-
-def _pick_transfer():
-  if _batched_device_put is None or len(jax.devices()) < 2:
-    return _device_put
-  try:
-    source = jax.device_put(np.arange(3, dtype=np.float32), jax.devices()[0])
-    copied = _copy_arrays(source, jax.devices()[1])
-    if copied.devices() == {jax.devices()[1]} and np.array_equal(copied, source):
-      return _copy_arrays
-  except Exception:  # noqa: BLE001 - any change of the internal API: use the public one
-    pass
-  return _device_put
-
 
 
 class _Budget:
@@ -292,7 +259,6 @@ class LayUpRuntime:
                                              skip_nonfinite=self._skip_nonfinite),
                            donate_argnums=(1, 2))
     self._merge = jax.jit(pushsum.merge, donate_argnums=(1,))
-    self._transfer = _pick_transfer()
     self._ahead = max_dispatch_ahead
     self._gossip = gossip  # False: local steps only, no peer (an ablation of communication)
     # Every `latency_every`-th iteration of a device its updater times each stage from gradient
@@ -349,7 +315,7 @@ class LayUpRuntime:
     """
     replica = self.replicas[i]
     batch = next(self._train_batches[i])
-    x, labels, iteration = jax.device_put(  # one transfer call: each costs a dispatch
+    x, labels, iteration = transfer.to_device(
         (batch.inputs, batch.targets, np.int32(replica.iteration)), replica.device)
     replica.iteration += 1
 
@@ -426,7 +392,7 @@ class LayUpRuntime:
       in_flight.popleft()
     while len(in_flight) >= self._max_sends_in_flight:  # bounds what peers hold of ours
       jax.block_until_ready(in_flight.popleft())
-    received = self._transfer(self._sent_part(replica, s), peer.device)
+    received = transfer.to_device(self._sent_part(replica, s), peer.device)
     merged = self._merge(self._sent_part(peer, s), received, np.float32(share))
     if isinstance(merged, tuple):
       peer.params[s], peer.state[s] = merged

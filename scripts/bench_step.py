@@ -8,10 +8,10 @@ the loss every iteration. Staged, three ways, all on one device without a peer:
             returning VJPs, VJPs in reverse, one Optax update per stage), waiting for the loss
             and the gradient checks every iteration.
   pytrees:  serial, with each stage's params kept as a pytree (`layup.pack_stages=False`).
-Every repeat runs all four back to back, so each ratio is measured side by side; medians of the
-per-repeat ratios are reported. FLOPs per iteration come from XLA's
-`compiled.cost_analysis()` (summed over the stage functions for the staged step); MFU is given
-where the device's peak is known.
+Every round runs a short block of each of the four back to back (alternating the order), so
+each ratio is measured side by side; medians of the per-round ratios are reported. FLOPs per
+iteration come from XLA's `compiled.cost_analysis()` (summed over the stage functions for the
+staged step); MFU is given where the device's peak is known.
 
   python scripts/bench_step.py --cases digits resnet18-cifar gpt2-tiny --out bench_step.json
   python scripts/bench_step.py --cases gpt2-124m-bf16     # on a GPU
@@ -41,10 +41,10 @@ from layup_jax.data.pipeline import Batch, random_image_batches
 from layup_jax.flops import PEAK_FLOPS, compiled, flops_of
 from layup_jax.runtime import LayUpRuntime
 
-CASES = {  # "iters": iterations per timed repeat (about a second or more on this case's device)
-    "digits": {"data.batch_size": 16, "iters": 40},
+CASES = {  # "iters": iterations per timed block (short: the sides alternate often)
+    "digits": {"data.batch_size": 16, "data.read_threads": 0, "iters": 10},  # as configs/digits.py
     "resnet18-cifar": {"model.name": "resnet18", "model.num_classes": 100, "data.batch_size": 32,
-                       "input_size": 32, "iters": 5},
+                       "input_size": 32, "iters": 2},
     "gpt2-tiny": {"model.name": "gpt2", "model.size": "tiny", "model.vocab_size": 256,
                   "model.max_len": 128, "data.batch_size": 8, "seq_len": 128,
                   "optimizer.name": "adamw", "iters": 20},
@@ -153,11 +153,13 @@ def bench_case(case: str, repeats: int, iters: int | None) -> dict:
     time_iterations(step, 3)
   threaded_seconds(3)
   staged_times, fused_times, runtime_times, pytree_times = [], [], [], []
-  for _ in range(repeats):
-    runtime_times.append(threaded_seconds(iters))
-    staged_times.append(time_iterations(staged_iteration, iters))
-    pytree_times.append(time_iterations(pytree_iteration, iters))
-    fused_times.append(time_iterations(fused_iteration, iters))
+  sides = [(runtime_times, lambda: threaded_seconds(iters)),
+           (staged_times, lambda: time_iterations(staged_iteration, iters)),
+           (pytree_times, lambda: time_iterations(pytree_iteration, iters)),
+           (fused_times, lambda: time_iterations(fused_iteration, iters))]
+  for repeat in range(repeats):  # alternating order: no side always follows the same one
+    for times, block in (sides if repeat % 2 == 0 else sides[::-1]):
+      times.append(block())
   threaded.close()
   staged_s, fused_s = statistics.median(staged_times), statistics.median(fused_times)
   runtime_s = statistics.median(runtime_times)
@@ -192,7 +194,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--cases", nargs="+", default=["digits", "resnet18-cifar", "gpt2-tiny"],
                       choices=sorted(CASES))
-  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--repeats", type=int, default=21, help="rounds of timed blocks")
   parser.add_argument("--iters", type=int, default=None,
                       help="iterations per timed repeat (default: the case's own)")
   parser.add_argument("--out", default="bench_step.json")

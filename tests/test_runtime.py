@@ -12,7 +12,7 @@ import pytest
 from layup_jax import pushsum
 from layup_jax.data import EvalSet, digits
 from layup_jax.evaluation import Evaluator
-from layup_jax import runtime as runtime_module
+from layup_jax import transfer
 from layup_jax.runtime import WorkerError, local_update
 from tests.helpers import make_layup_runtime, mlp_model
 
@@ -239,11 +239,13 @@ def test_an_updater_keeps_at_most_max_sends_in_flight_merges_not_yet_landed():
 
 
 def test_a_stage_sent_to_a_peer_arrives_as_an_exact_copy_on_that_device():
-  # The runtime's transfer (a direct copy where jax's internals allow it, else device_put).
+  # The runtime's transfer (jax's internal one where it checks out, else jax.device_put).
   source, target = jax.devices()[0], jax.devices()[3]
   tree = (jax.device_put(np.arange(5, dtype=np.float32), source),
-          jax.device_put(np.ones((2, 3), jnp.bfloat16), source))
-  for transfer in (runtime_module._pick_transfer(), runtime_module._device_put):
-    copied = transfer(tree, target)
+          jax.device_put(np.ones((2, 3), jnp.bfloat16), source),
+          np.arange(4, dtype=np.int32), np.int32(3))
+  for to_device in (transfer.implementation(), transfer._public):
+    copied = to_device(tree, target)
     assert all(leaf.devices() == {target} for leaf in copied)
+    assert [leaf.dtype for leaf in copied] == [np.float32, jnp.bfloat16, np.int32, np.int32]
     chex.assert_trees_all_equal(jax.device_get(copied), jax.device_get(tree))

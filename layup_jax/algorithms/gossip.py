@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from layup_jax import transfer
 from layup_jax.algorithms.base import init_model, runtime_options
 from layup_jax.data import Dataset
 from layup_jax.runtime import PICK, LayUpRuntime
@@ -63,9 +64,9 @@ class ADPSGDRuntime(LayUpRuntime):
       if self.bn_policy == "mix" and self._has_state[s]:
         trees.append((mine.state, peer.state))
       for ours, theirs in trees:
-        average = self._merge(theirs[s], jax.device_put(ours[s], peer.device), half)
+        average = self._merge(theirs[s], transfer.to_device(ours[s], peer.device), half)
         theirs[s] = average
-        ours[s] = jax.device_put(average, mine.device)
+        ours[s] = transfer.to_device(average, mine.device)
 
   def _end_iteration(self, i, context, finish, wait) -> None:
     j = self._pick_peer(i) if context is PICK else context
