@@ -97,16 +97,26 @@ def device_arrays_like(tree: PyTree, device_of: Callable[[int], jax.Device], cou
 
 
 class _Budget:
-  """Iterations the compute threads may start, and how many their updaters have finished.
+  """Iterations the compute threads may start, how many their updaters have finished and of how
+  many the compute threads have recorded the loss.
 
   Guards only this bookkeeping (a condition variable), never model state. When every granted
-  iteration is finished, all threads are idle between iterations: a consistent point.
+  iteration is finished and recorded, all threads are idle between iterations: a consistent
+  point.
   """
 
   def __init__(self):
     self._cond = threading.Condition()
-    self.granted = self.started = self.finished = 0
+    self.granted = self.started = self.finished = self.recorded = 0
     self._closed = False
+
+  def try_acquire(self) -> bool:
+    """Starts an iteration if one is granted now."""
+    with self._cond:
+      if self.started < self.granted and not self._closed:
+        self.started += 1
+        return True
+      return False
 
   def acquire(self) -> bool:
     with self._cond:
@@ -122,6 +132,11 @@ class _Budget:
       self.finished += 1
       self._cond.notify_all()
 
+  def record(self) -> None:
+    with self._cond:
+      self.recorded += 1
+      self._cond.notify_all()
+
   def grant(self, total: int) -> None:
     with self._cond:
       self.granted = max(self.granted, total)
@@ -135,14 +150,16 @@ class _Budget:
       return self.granted
 
   def reset(self, total: int) -> None:
-    """Counts `total` iterations as granted, started and finished (a restored run)."""
+    """Counts `total` iterations as granted, started, finished and recorded (a restored run)."""
     with self._cond:
-      self.granted = self.started = self.finished = total
+      self.granted = self.started = self.finished = self.recorded = total
 
   def wait_finished(self, total: int, timeout: float) -> bool:
+    """Waits until `total` iterations are finished and recorded, or the timeout passes."""
+    done = lambda: self.finished >= total and self.recorded >= total
     with self._cond:
-      self._cond.wait_for(lambda: self.finished >= total or self._closed, timeout)
-      return self.finished >= total
+      self._cond.wait_for(lambda: done() or self._closed, timeout)
+      return done()
 
   def close(self) -> None:
     with self._cond:
@@ -454,6 +471,10 @@ class LayUpRuntime:
     """Called before device i starts an iteration: by compute thread i before it takes budget
     (it may block), or by `iterate_serial` with `wait=False` (it must not)."""
 
+  def _may_wait_before_iteration(self, i: int) -> bool:
+    """Whether `_before_iteration(i)` may block now (waiting for other devices)."""
+    return False
+
   def iterate_serial(self, i: int, peer: Any = PICK) -> float:
     """One whole iteration of device i (sending to `peer` where the algorithm has one), on the
     calling thread: the deterministic mode for exact tests (scripted peers, fixed order)."""
@@ -507,13 +528,26 @@ class LayUpRuntime:
       self._stop.set()
       self._budget.close()
 
+  def _record_losses(self, i: int, pending: collections.deque, keep: int) -> None:
+    """Reads device i's oldest dispatched losses until `keep` are left (each waits for its
+    iteration's forward pass)."""
+    while len(pending) > keep:
+      iteration, loss = pending.popleft()
+      if self._check_loss(i, iteration, float(loss)):
+        self._losses[i].append(float(loss))
+      self._budget.record()
+
   def _compute_loop(self, i: int) -> None:
     pending: collections.deque = collections.deque()
     clock = self._clocks[i]
     while True:
+      if self._may_wait_before_iteration(i):  # for other devices: read every loss first
+        self._record_losses(i, pending, keep=0)
       self._before_iteration(i)
-      if not self._budget.acquire():
-        return
+      if not self._budget.try_acquire():
+        self._record_losses(i, pending, keep=0)  # nothing to dispatch now: read every loss
+        if not self._budget.acquire():
+          return
       clock.start_iteration(idle=self._stop.wait)
       iteration = self.replicas[i].iteration
 
@@ -526,10 +560,7 @@ class LayUpRuntime:
       pending.append((iteration, loss))
       # Bound how far this thread dispatches ahead of its device (the loss is ready once the
       # forward pass of that iteration has run).
-      while len(pending) >= self._ahead:
-        iteration, loss = pending.popleft()
-        if self._check_loss(i, iteration, float(loss)):
-          self._losses[i].append(float(loss))
+      self._record_losses(i, pending, keep=self._ahead - 1)
 
   def _hand_over(self, i: int, item) -> None:
     while not self._stop.is_set():

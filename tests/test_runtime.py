@@ -13,6 +13,7 @@ from layup_jax import pushsum
 from layup_jax.data import EvalSet, digits
 from layup_jax.evaluation import Evaluator
 from layup_jax import transfer
+from layup_jax.algorithms.periodic import PeriodicAveragingRuntime
 from layup_jax.runtime import WorkerError, local_update
 from tests.helpers import make_layup_runtime, mlp_model
 
@@ -249,3 +250,18 @@ def test_a_stage_sent_to_a_peer_arrives_as_an_exact_copy_on_that_device():
     assert all(leaf.devices() == {target} for leaf in copied)
     assert [leaf.dtype for leaf in copied] == [np.float32, jnp.bfloat16, np.int32, np.int32]
     chex.assert_trees_all_equal(jax.device_get(copied), jax.device_get(tree))
+
+
+@pytest.mark.parametrize("runtime_class", [None, PeriodicAveragingRuntime],
+                         ids=["layup", "local_sgd"])
+def test_run_until_returns_with_every_iterations_loss_recorded(runtime_class):
+  # A consistent point includes the compute threads' bookkeeping: with two iterations
+  # dispatched ahead, the last loss of each device is read before run_until returns (and a
+  # device waiting at an averaging boundary reads its losses before it waits).
+  kwargs = {"tau": 3, "out_freq": 3, "outer_tx": None, "lag": 0} if runtime_class else {}
+  runtime = make_layup_runtime(4, max_dispatch_ahead=2, runtime_class=runtime_class, **kwargs)
+  runtime.compile()
+  for steps in (5, 9):
+    runtime.run_until(4 * steps, lambda _: None)
+    assert sum(len(losses) for losses in runtime._losses) == 4 * steps
+  runtime.close()

@@ -142,10 +142,14 @@ class PeriodicAveragingRuntime(LayUpRuntime):
     self._sync.notify()
     finish()
 
-  def _before_iteration(self, i: int, wait: bool = True) -> None:
+  def _may_wait_before_iteration(self, i: int) -> bool:
     k = self.replicas[i].iteration
-    if not k or k % self.tau:
+    return bool(k) and k % self.tau == 0  # at a boundary: until the others arrive
+
+  def _before_iteration(self, i: int, wait: bool = True) -> None:
+    if not self._may_wait_before_iteration(i):
       return
+    k = self.replicas[i].iteration
     boundary = k // self.tau
     needed = boundary - self.lag
 
