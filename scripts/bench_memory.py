@@ -94,7 +94,11 @@ def measure(case: str, algorithm: str, num_devices: int, steps: int) -> dict:
 
   def sample():
     while not stop.is_set():
-      for device, total in device_bytes(devices).items():
+      try:
+        totals = device_bytes(devices)
+      except RuntimeError:  # an array deleted (donated) while it was read: sample again
+        continue
+      for device, total in totals.items():
         peaks[device] = max(peaks[device], total)
       time.sleep(0.001)
 
