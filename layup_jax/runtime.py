@@ -404,6 +404,7 @@ class LayUpRuntime:
     dispatch from an updater thread; they add up over stages and devices).
     """
     replica, peer = self.replicas[i], self.replicas[j]
+    bounded = self._max_sends_in_flight < math.inf
     in_flight = self._sends_in_flight[i]
     while in_flight and in_flight[0].is_ready():
       in_flight.popleft()
@@ -415,7 +416,8 @@ class LayUpRuntime:
       peer.params[s], peer.state[s] = merged
     else:
       peer.params[s] = merged
-    in_flight.append(jax.tree.leaves(merged)[0])
+    if bounded:  # a reference keeps the peer's old version alive: only held to wait on it
+      in_flight.append(jax.tree.leaves(merged)[0])
     return merged
 
   def _update_and_send(self, i: int, j: int | None, s: int, grads: PyTree, sent: float) -> None:

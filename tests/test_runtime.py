@@ -1,5 +1,6 @@
 """The LayUp runtime: Algorithm 1's bookkeeping in the serial mode, its threads' behaviour."""
 
+import gc
 import threading
 
 import chex
@@ -237,6 +238,29 @@ def test_an_updater_keeps_at_most_max_sends_in_flight_merges_not_yet_landed():
   runtime.close()
   assert most[0] == 1  # every send waited for the previous one to land
   assert runtime.weight_sum() == pytest.approx(1.0, abs=0.05)
+
+
+def _live_bytes(device) -> int:
+  gc.collect()
+  return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted() and a.devices() == {device})
+
+
+def test_once_updates_have_landed_a_device_holds_its_replica_and_nothing_received():
+  # No receive buffers: a received stage lives only until its merge; no reference kept by a
+  # sender (to wait on its merges) pins a peer's older versions.
+  devices = jax.devices()[:4]
+  before = [_live_bytes(d) for d in devices]
+  runtime = make_layup_runtime(4)
+  runtime.compile()
+  runtime.run_until(4 * 30, lambda _: None)
+  jax.block_until_ready([(r.params, r.opt_state, r.state) for r in runtime.replicas])
+  for i, replica in enumerate(runtime.replicas):
+    held = sum(leaf.nbytes for leaf in jax.tree.leaves(
+        (replica.params, replica.opt_state, replica.state, replica.stage_keys)))
+    smallest_stage = min(sum(leaf.nbytes for leaf in jax.tree.leaves(p)) for p in replica.params)
+    extra = _live_bytes(devices[i]) - before[i] - held
+    assert extra < smallest_stage, (i, extra, smallest_stage)
+  runtime.close()
 
 
 def test_a_stage_sent_to_a_peer_arrives_as_an_exact_copy_on_that_device():
