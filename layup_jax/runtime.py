@@ -276,6 +276,9 @@ class LayUpRuntime:
                                              skip_nonfinite=self._skip_nonfinite),
                            donate_argnums=(1, 2))
     self._merge = jax.jit(pushsum.merge, donate_argnums=(1,))
+    # A scalar computed from a merged stage: ready once the merge has run, and holding it (to
+    # wait on a send) keeps no version of the peer's stage alive.
+    self._landed = jax.jit(lambda leaf: jnp.sum(leaf.ravel()[:1]))
     self._ahead = max_dispatch_ahead
     self._gossip = gossip  # False: local steps only, no peer (an ablation of communication)
     # Every `latency_every`-th iteration of a device its updater times each stage from gradient
@@ -316,7 +319,8 @@ class LayUpRuntime:
         queue.Queue(maxsize=self.num_stages * max_dispatch_ahead) for _ in devices
     ]
     self._budget = _Budget()
-    # Merges each updater has dispatched to peers and not yet seen land, oldest first.
+    # Merges each updater has dispatched to peers and not yet seen land, oldest first (as
+    # `_landed` scalars; only with a bound on them).
     self._sends_in_flight = [collections.deque() for _ in devices]
     self._max_sends_in_flight = max_sends_in_flight or math.inf
     self._stop = threading.Event()
@@ -404,7 +408,6 @@ class LayUpRuntime:
     dispatch from an updater thread; they add up over stages and devices).
     """
     replica, peer = self.replicas[i], self.replicas[j]
-    bounded = self._max_sends_in_flight < math.inf
     in_flight = self._sends_in_flight[i]
     while in_flight and in_flight[0].is_ready():
       in_flight.popleft()
@@ -416,8 +419,8 @@ class LayUpRuntime:
       peer.params[s], peer.state[s] = merged
     else:
       peer.params[s] = merged
-    if bounded:  # a reference keeps the peer's old version alive: only held to wait on it
-      in_flight.append(jax.tree.leaves(merged)[0])
+    if self._max_sends_in_flight < math.inf:
+      in_flight.append(self._landed(jax.tree.leaves(merged)[0]))
     return merged
 
   def _update_and_send(self, i: int, j: int | None, s: int, grads: PyTree, sent: float) -> None:
@@ -517,7 +520,8 @@ class LayUpRuntime:
         if self._has_state[s]:
           outputs.append(self._merge(replica.state[s], copy(replica.state[s]), share))
         sent = self._sent_part(replica, s)  # the form `_send_stage` merges
-        outputs.append(self._merge(sent, copy(sent), np.float32(0.5)))
+        merged = self._merge(sent, copy(sent), np.float32(0.5))
+        outputs += [merged, self._landed(jax.tree.leaves(merged)[0])]
       jax.block_until_ready(outputs)
 
   # --- the threads ----------------------------------------------------------------------------

@@ -245,12 +245,14 @@ def _live_bytes(device) -> int:
   return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted() and a.devices() == {device})
 
 
-def test_once_updates_have_landed_a_device_holds_its_replica_and_nothing_received():
-  # No receive buffers: a received stage lives only until its merge; no reference kept by a
-  # sender (to wait on its merges) pins a peer's older versions.
+@pytest.mark.parametrize("max_sends_in_flight", [0, 2])
+def test_once_updates_have_landed_a_device_holds_its_replica_and_nothing_received(
+    max_sends_in_flight):
+  # No receive buffers: a received stage lives only until its merge; what a sender keeps to
+  # wait on its merges (with a bound) pins no version of a peer's stage.
   devices = jax.devices()[:4]
   before = [_live_bytes(d) for d in devices]
-  runtime = make_layup_runtime(4)
+  runtime = make_layup_runtime(4, max_sends_in_flight=max_sends_in_flight)
   runtime.compile()
   runtime.run_until(4 * 30, lambda _: None)
   jax.block_until_ready([(r.params, r.opt_state, r.state) for r in runtime.replicas])
