@@ -22,7 +22,7 @@ python scripts/sweep.py --config configs/cifar100_resnet18.py \
     --mock-tfds 512 --set data.batch_size=32 --set data.eval_batch_size=256 \
     --set num_steps=6 --set eval_every=3
 
-python scripts/bench_step.py --cases digits resnet18-cifar --repeats 41 \
+python scripts/bench_step.py --cases digits resnet18-cifar gpt2-tiny --repeats 41 \
     --out docs/results/bench_step.json
 python scripts/bench_runtime.py --repeats 15 --gossip-cases digits resnet18-cifar \
     --out docs/results/bench_runtime.json
