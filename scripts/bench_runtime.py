@@ -42,6 +42,7 @@ from layup_jax.algorithms.base import init_model
 from layup_jax.data.pipeline import random_image_batches
 from layup_jax.evaluation import Evaluator
 from layup_jax.runtime import LayUpRuntime
+from layup_jax.sidebyside import interleaved, median_ratio, serial_block, threaded_block
 
 STEPS = {"digits": 10, "resnet18-cifar": 1}  # steps per timed block
 
@@ -96,36 +97,6 @@ def ahead_run(num_devices: int, ahead: int, warmup: int = 10, steps: int = 60):
   return elapsed / steps, accuracy
 
 
-def threaded_block(runtime, iterations: int) -> float:
-  """Seconds for `iterations` more iterations of the threaded runtime."""
-  start = time.perf_counter()
-  runtime.run_until(runtime.iterations_done() + iterations, lambda done: None)
-  return time.perf_counter() - start
-
-
-def serial_block(runtime, iterations: int) -> float:
-  start = time.perf_counter()
-  for _ in range(iterations):
-    runtime.iterate_serial(0)
-  return time.perf_counter() - start
-
-
-def interleaved(blocks: dict, rounds: int, per_unit: dict) -> dict[str, list[float]]:
-  """Times each side's block once per round, in alternating order, after one warm-up block:
-  both sides of a ratio see the same moments of this shared machine. Seconds per unit."""
-  for block in blocks.values():
-    block()
-  times = {side: [] for side in blocks}
-  for r in range(rounds):
-    for side in (list(blocks) if r % 2 == 0 else list(blocks)[::-1]):
-      times[side].append(blocks[side]() / per_unit[side])
-  return times
-
-
-def median_ratio(numerators: list[float], denominators: list[float]) -> float:
-  return statistics.median(a / b for a, b in zip(numerators, denominators))
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--num-devices", type=int, default=8)
@@ -143,7 +114,7 @@ def main() -> None:
   # One device: the threaded runtime against the bare staged step, both built once.
   (serial, serial_data), (threaded, threaded_data) = build(1), build(1)
   block = args.iterations
-  one = interleaved({"serial": lambda: serial_block(serial, block),
+  one = interleaved({"serial": lambda: serial_block(lambda: serial.iterate_serial(0), block),
                      "threaded": lambda: threaded_block(threaded, block)},
                     args.repeats, {"serial": block, "threaded": block})
   threaded.close()

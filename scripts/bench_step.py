@@ -25,7 +25,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,6 +39,7 @@ from layup_jax.algorithms.base import init_model
 from layup_jax.data.pipeline import Batch, random_image_batches
 from layup_jax.flops import PEAK_FLOPS, compiled, flops_of
 from layup_jax.runtime import LayUpRuntime
+from layup_jax.sidebyside import interleaved, median_ratio, serial_block, threaded_block
 
 CASES = {  # "iters": iterations per timed block (short: the sides alternate often)
     "digits": {"data.batch_size": 16, "data.read_threads": 0, "iters": 10},  # as configs/digits.py
@@ -91,13 +91,6 @@ def transformer_flops(config, params, batch: int, seq_len: int) -> float | None:
   return batch * seq_len * (6 * n + 12 * spec.num_layers * spec.embed_dim * seq_len)
 
 
-def time_iterations(step, iters: int) -> float:
-  start = time.perf_counter()
-  for _ in range(iters):
-    step()
-  return (time.perf_counter() - start) / iters
-
-
 def bench_case(case: str, repeats: int, iters: int | None) -> dict:
   config, extras = case_config(case)
   iters = iters or extras["iters"]
@@ -144,26 +137,18 @@ def bench_case(case: str, repeats: int, iters: int | None) -> dict:
   def pytree_iteration():
     unpacked.iterate_serial(0, None)
 
-  def threaded_seconds(count: int) -> float:
-    start, done = time.perf_counter(), threaded.iterations_done()
-    threaded.run_until(done + count, lambda _: None)
-    return (time.perf_counter() - start) / count
-
-  for step in (staged_iteration, pytree_iteration, fused_iteration):  # compile and warm up
-    time_iterations(step, 3)
-  threaded_seconds(3)
-  staged_times, fused_times, runtime_times, pytree_times = [], [], [], []
-  sides = [(runtime_times, lambda: threaded_seconds(iters)),
-           (staged_times, lambda: time_iterations(staged_iteration, iters)),
-           (pytree_times, lambda: time_iterations(pytree_iteration, iters)),
-           (fused_times, lambda: time_iterations(fused_iteration, iters))]
-  for repeat in range(repeats):  # alternating order: no side always follows the same one
-    for times, block in (sides if repeat % 2 == 0 else sides[::-1]):
-      times.append(block())
+  # Each side is warmed up (and its first calls compiled) by `interleaved`'s first block.
+  blocks = {"runtime": lambda: threaded_block(threaded, iters),
+            "staged": lambda: serial_block(staged_iteration, iters),
+            "pytrees": lambda: serial_block(pytree_iteration, iters),
+            "fused": lambda: serial_block(fused_iteration, iters)}
+  times = interleaved(blocks, repeats, {side: iters for side in blocks})
+  runtime_times, staged_times = times["runtime"], times["staged"]
+  pytree_times, fused_times = times["pytrees"], times["fused"]
   threaded.close()
   staged_s, fused_s = statistics.median(staged_times), statistics.median(fused_times)
   runtime_s = statistics.median(runtime_times)
-  ratio = lambda times: statistics.median([f / t for t, f in zip(times, fused_times)])
+  ratio = lambda times: median_ratio(fused_times, times)  # throughput: fused time / time
   peak = PEAK_FLOPS.get(device.device_kind)
   estimate = transformer_flops(config, params, config.data.batch_size, extras.get("seq_len", 0))
   return {
