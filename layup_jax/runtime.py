@@ -520,8 +520,9 @@ class LayUpRuntime:
         if self._has_state[s]:
           outputs.append(self._merge(replica.state[s], copy(replica.state[s]), share))
         sent = self._sent_part(replica, s)  # the form `_send_stage` merges
-        merged = self._merge(sent, copy(sent), np.float32(0.5))
-        outputs += [merged, self._landed(jax.tree.leaves(merged)[0])]
+        outputs.append(self._merge(sent, copy(sent), np.float32(0.5)))
+        if self._max_sends_in_flight < math.inf:  # what a bounded `_send_stage` waits on
+          outputs.append(self._landed(jax.tree.leaves(outputs[-1])[0]))
       jax.block_until_ready(outputs)
 
   # --- the threads ----------------------------------------------------------------------------
@@ -539,8 +540,9 @@ class LayUpRuntime:
     iteration's forward pass)."""
     while len(pending) > keep:
       iteration, loss = pending.popleft()
-      if self._check_loss(i, iteration, float(loss)):
-        self._losses[i].append(float(loss))
+      value = float(loss)
+      if self._check_loss(i, iteration, value):
+        self._losses[i].append(value)
       self._budget.record()
 
   def _compute_loop(self, i: int) -> None:
