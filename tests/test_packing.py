@@ -87,3 +87,21 @@ def test_residuals_that_are_the_forward_inputs_are_passed_again_not_copied():
   got = jax.jit(lambda r, w, x: packing.unpack_residuals(r, (w, x))(dy))(stripped, w, x)
   want = jax.jit(lambda r: packing.unpack_residuals(r)(dy))(copied)
   chex.assert_trees_all_close(got, want)
+
+
+def test_the_gradient_of_a_packed_stage_is_written_in_place_not_summed_from_padded_copies():
+  layout = packing.StagePacking.of(TREE)
+  weights = jax.tree.map(lambda x: np.linspace(1, 2, x.size).reshape(x.shape).astype(x.dtype),
+                         TREE)
+  def loss(tree):
+    return sum(jnp.sum(w.astype(jnp.float32) * jnp.sin(x.astype(jnp.float32)))
+               for w, x in zip(jax.tree.leaves(weights), jax.tree.leaves(tree)))
+
+  got = jax.grad(lambda flat: loss(layout.unpack(flat)))(layout.pack(TREE))
+  want = layout.pack(jax.grad(loss)(TREE))
+  chex.assert_trees_all_close(got, want, rtol=1e-6)
+  # One write per leaf into one vector: no copy of the whole vector per leaf (a slice's own
+  # gradient is a zero-padded copy of the vector, summed over the leaves).
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda flat: loss(layout.unpack(flat))))(
+      layout.pack(TREE)))
+  assert " pad[" not in jaxpr and jaxpr.count("dynamic_update_slice") == len(layout.shapes)
