@@ -16,7 +16,8 @@ import ml_collections
 import tqdm
 from absl import logging
 
-from layup_jax import algorithms, checkpointing, data, flops, measurements, models, optim
+from layup_jax import (algorithms, checkpointing, data, flops, measurements, models, optim,
+                       provenance)
 from layup_jax.checkpointing import Checkpoints, check_compatible
 from layup_jax.config_validation import resolve_num_steps, validate_config
 from layup_jax.errors import ConfigError, StorageError
@@ -247,6 +248,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       "resumed_from_step": start_step,
       "straggler_device": config.straggler.device,
       "straggler_delay_iters": config.straggler.delay_iters,
+      "code_version": provenance.code_version(),
   }
   writer.write_summary(summary)
   return summary

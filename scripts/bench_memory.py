@@ -15,7 +15,6 @@ peer's params in flight, sent and merged, and nothing queued).
 """
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -30,6 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import jax
+
+from layup_jax import provenance
 
 CASES = {  # config values, and the steps measured after the warm-up
     "digits": ({}, 20),
@@ -164,8 +165,8 @@ def main() -> None:
   print(f"(peak per device, the largest over {args.num_devices} devices; {how}; "
         f"{first['device_kind']}; {steps} steps after a warm-up of 2)")
   with open(args.out, "w") as f:
-    json.dump({"measured": f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
-               f"{jax.devices()[0].device_kind}, jax {jax.__version__}", "platform": platform.platform(), "args": vars(args), "rows": rows}, f, indent=2)
+    json.dump({"measured": provenance.measured_on(), "code": provenance.code_version(),
+               "platform": platform.platform(), "args": vars(args), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,8 @@ sides see the same moments of a shared machine. `--ahead` runs each value `--rep
 """
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 
 from configs import base, digits
-from layup_jax import algorithms, data, models, optim
+from layup_jax import algorithms, data, models, optim, provenance
 from layup_jax.algorithms.base import init_model
 from layup_jax.data.pipeline import random_image_batches
 from layup_jax.evaluation import Evaluator
@@ -178,8 +176,8 @@ def main() -> None:
   print(f"(medians of {args.repeats} repeats, {jax.devices()[0].device_kind}, "
         f"jax {jax.__version__})")
   with open(args.out, "w") as f:
-    json.dump({"measured": f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
-               f"{jax.devices()[0].device_kind}, jax {jax.__version__}", "args": vars(args), "table": table, "gossip": gossip_rows, "ahead": ahead_rows,
+    json.dump({"measured": provenance.measured_on(), "code": provenance.code_version(),
+               "args": vars(args), "table": table, "gossip": gossip_rows, "ahead": ahead_rows,
                "runs": runs, "ahead_runs": ahead_runs}, f, indent=2)
 
 

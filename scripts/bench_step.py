@@ -18,7 +18,6 @@ staged step); MFU is given where the device's peak is known.
 """
 
 import argparse
-import datetime
 import functools
 import json
 import os
@@ -33,7 +32,7 @@ import jax
 import numpy as np
 
 from configs import base
-from layup_jax import data, models, optim
+from layup_jax import data, models, optim, provenance
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
 from layup_jax.data.pipeline import Batch, random_image_batches
@@ -207,8 +206,8 @@ def main() -> None:
         f"{iterations} iterations each; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs "
         f"leave out library calls such as cuDNN convolutions)")
   with open(args.out, "w") as f:
-    json.dump({"measured": f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
-               f"{jax.devices()[0].device_kind}, jax {jax.__version__}", "platform": platform.platform(), "jax": jax.__version__,
+    json.dump({"measured": provenance.measured_on(), "code": provenance.code_version(),
+               "platform": platform.platform(), "jax": jax.__version__,
                "command": "python scripts/bench_step.py " + " ".join(sys.argv[1:]), "rows": rows},
               f, indent=2)
 

@@ -9,10 +9,8 @@ the straggler (from each device's own iteration count: under LayUp the others do
 """
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -23,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 
 from configs import base
-from layup_jax import runner
+from layup_jax import provenance, runner
 
 
 def main() -> None:
@@ -84,8 +82,8 @@ def main() -> None:
   print(f"({args.num_devices} devices, straggler device {args.straggler}, {args.num_steps} steps, "
         f"medians of {args.repeats} repeats, {jax.devices()[0].device_kind})")
   with open(args.out, "w") as f:
-    json.dump({"measured": f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
-               f"{jax.devices()[0].device_kind}, jax {jax.__version__}", "args": vars(args), "table": table, "runs": runs}, f, indent=2)
+    json.dump({"measured": provenance.measured_on(), "code": provenance.code_version(),
+               "args": vars(args), "table": table, "runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -93,13 +93,15 @@ def sweep_tables(name: str, sweep: dict, figures: dict[str, str]) -> list[str]:
   delays = sorted({r["delay"] for r in runs})
   first = runs[0]["summary"]
   seeds = sorted({r["seed"] for r in runs})
+  versions = sorted({r["summary"].get("code_version") or "not recorded" for r in runs})
   data_note = (f"**Mocked data**: records from `tfds.testing.mock_data` ({meta['mock_tfds']} per "
                "split, random values of the real shapes), so accuracies are those of random "
                "labels; the timings are real." if meta.get("mock_tfds") else "")
   lines = [
       f"## {name}", "",
       (f"`{meta['config']}`, {first['num_devices']} devices, {first['num_steps']} steps per run, "
-      f"seeds {seeds}; measured on {meta['date']}, {meta['machine']}. Made by:"), "",
+      f"seeds {seeds}; measured on {meta['date']}, {meta['machine']}; code version "
+      f"(`git describe` of the runs' checkout) {', '.join(versions)}. Made by:"), "",
       *[f"    {command}" for command in meta["commands"]], "",
       ("Values are mean ± standard deviation over seeds. Training time excludes compilation "
        "and evaluations; time to target/convergence is the training time at the first "
@@ -307,8 +309,12 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
       lines.append(f"| {r['case']} | {r['layup_peak_bytes'] / 2**20:.2f} | "
                    f"{r['ddp_peak_bytes'] / 2**20:.2f} | "
                    f"{r['layup']['largest_stage_param_bytes'] / 2**20:.2f} | {r['holds']} |")
-  measured = sorted({json.loads(p.read_text()).get("measured", "")
-                     for p in results.glob("bench_*.json")} - {""})
+  def made_with(bench: dict) -> str:
+    code = bench.get("code")
+    return bench.get("measured", "") + (f", code {code}" if code and bench.get("measured") else "")
+
+  measured = sorted({made_with(json.loads(p.read_text())) for p in results.glob("bench_*.json")}
+                    - {""})
   if measured:
     lines = ["", "Measured: " + "; ".join(measured) + "."] + lines
   return (["", "## Benchmarks", "", ("Each script prints its table and writes the JSON read "

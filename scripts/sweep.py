@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import platform
 import sys
 import tempfile
 
@@ -38,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import jax
 import ml_collections
 
-from layup_jax import algorithms, runner
+from layup_jax import algorithms, provenance, runner
 
 # Each method as the paper's comparisons run it, where it differs from the config: DiLoCo's
 # inner optimizer is AdamW (its paper) and it averages every `tau` steps.
@@ -154,13 +153,11 @@ def main() -> None:
   record = workdir / "sweep.json"
   saved = json.loads(record.read_text()) if record.exists() else {"commands": []}
   command = "python scripts/sweep.py " + " ".join(sys.argv[1:])
-  device = jax.devices()[0]
   saved.update({
       "config": args.config, "mock_tfds": args.mock_tfds or saved.get("mock_tfds", 0),
       "commands": [*[c for c in saved["commands"] if c != command], command],
       "date": datetime.date.today().isoformat(),
-      "machine": (f"{platform.machine()}, {os.cpu_count()} cores, "
-                  f"{device.platform} devices ({device.device_kind}), jax {jax.__version__}"),
+      "machine": provenance.machine(),
   })
   record.write_text(json.dumps(saved, indent=1))
 

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from layup_jax import runner
+from layup_jax import provenance, runner
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
 
@@ -59,6 +59,10 @@ def test_the_report_tables_and_figures_come_from_the_runs(tiny_config, tmp_path)
     section = text.split("### Straggler")[1 if delay else 0]
     assert f"| {name} | {summary['final_eval_accuracy']:.4g} |" in section
   assert "### Straggler: device 0 idles 1 iterations" in text
+  # Each run records the version of the code that made it, and the page says which.
+  version = summaries["layup", 0.0]["code_version"]
+  assert version == provenance.code_version()
+  assert f"(`git describe` of the runs' checkout) {version or 'not recorded'}." in text
   for stem in ("learning_curves", "straggler", "consensus"):
     png = results / "figures" / f"tiny_{stem}.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,40 @@
+"""What a measurement was made with: the machine and the code, recorded beside every figure.
+
+Benchmarks and sweeps write these into their JSON so that a results page can say which
+hardware and which version of this code produced each number (runs of a sweep can be months
+apart, and a speed-up in the runtime changes them).
+"""
+
+import datetime
+import os
+import pathlib
+import platform
+import subprocess
+
+import jax
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def code_version() -> str | None:
+  """`git describe --always --dirty` of the checkout this package runs from (a commit, with
+  `-dirty` where files differ from it), or None outside a git checkout."""
+  try:
+    described = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], cwd=_ROOT, capture_output=True, text=True,
+        timeout=10, check=True)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return described.stdout.strip() or None
+
+
+def machine() -> str:
+  """The CPU architecture, core count, first device and jax version, in one line."""
+  device = jax.devices()[0]
+  return (f"{platform.machine()}, {os.cpu_count()} cores, {device.platform} devices "
+          f"({device.device_kind}), jax {jax.__version__}")
+
+
+def measured_on() -> str:
+  """Today's date and `machine()`."""
+  return f"{datetime.date.today().isoformat()}, {machine()}"
