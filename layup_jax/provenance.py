@@ -17,15 +17,17 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def code_version() -> str | None:
-  """`git describe --always --dirty` of the checkout this package runs from (a commit, with
-  `-dirty` where files differ from it), or None outside a git checkout."""
+  """The commit of the checkout this package runs from, with `-dirty` where a tracked Python
+  file differs from it (data and docs do not count), or None outside a git checkout."""
+  def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=_ROOT, capture_output=True, text=True, timeout=10,
+                          check=True).stdout.strip()
   try:
-    described = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], cwd=_ROOT, capture_output=True, text=True,
-        timeout=10, check=True)
+    commit = git("rev-parse", "--short", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", "*.py")
   except (OSError, subprocess.SubprocessError):
     return None
-  return described.stdout.strip() or None
+  return f"{commit}-dirty" if changed else commit or None
 
 
 def machine() -> str:

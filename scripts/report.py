@@ -100,8 +100,8 @@ def sweep_tables(name: str, sweep: dict, figures: dict[str, str]) -> list[str]:
   lines = [
       f"## {name}", "",
       (f"`{meta['config']}`, {first['num_devices']} devices, {first['num_steps']} steps per run, "
-      f"seeds {seeds}; measured on {meta['date']}, {meta['machine']}; code version "
-      f"(`git describe` of the runs' checkout) {', '.join(versions)}. Made by:"), "",
+      f"seeds {seeds}; measured on {meta['date']}, {meta['machine']}; code version (the "
+      f"runs' commit; -dirty: Python files changed) {', '.join(versions)}. Made by:"), "",
       *[f"    {command}" for command in meta["commands"]], "",
       ("Values are mean ± standard deviation over seeds. Training time excludes compilation "
        "and evaluations; time to target/convergence is the training time at the first "

@@ -62,7 +62,7 @@ def test_the_report_tables_and_figures_come_from_the_runs(tiny_config, tmp_path)
   # Each run records the version of the code that made it, and the page says which.
   version = summaries["layup", 0.0]["code_version"]
   assert version == provenance.code_version()
-  assert f"(`git describe` of the runs' checkout) {version or 'not recorded'}." in text
+  assert f"Python files changed) {version or 'not recorded'}. Made by:" in text
   for stem in ("learning_curves", "straggler", "consensus"):
     png = results / "figures" / f"tiny_{stem}.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
