@@ -18,7 +18,11 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def code_version() -> str | None:
   """The commit of the checkout this package runs from, with `-dirty` where a tracked Python
-  file differs from it (data and docs do not count), or None outside a git checkout."""
+  file differs from it (data and docs do not count), or None outside a git checkout (an
+  installed copy of the package, not a source tree, has no version here)."""
+  if not (_ROOT / "pyproject.toml").is_file():
+    return None
+
   def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=_ROOT, capture_output=True, text=True, timeout=10,
                           check=True).stdout.strip()

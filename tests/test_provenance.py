@@ -1,0 +1,34 @@
+"""A run names the code it came from: the commit, and whether Python files differed from it."""
+
+import subprocess
+
+from layup_jax import provenance
+
+
+def _git(where, *args):
+  return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+                        cwd=where, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_the_code_version_is_the_commit_and_dirty_only_when_python_files_changed(
+    tmp_path, monkeypatch):
+  monkeypatch.setattr(provenance, "_ROOT", tmp_path)
+  (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+  assert provenance.code_version() is None  # a source tree outside git
+  (tmp_path / "code.py").write_text("A = 1\n")
+  (tmp_path / "notes.md").write_text("figures\n")
+  _git(tmp_path, "init", "-q")
+  _git(tmp_path, "add", ".")
+  _git(tmp_path, "commit", "-q", "-m", "first")
+  commit = _git(tmp_path, "rev-parse", "--short", "HEAD")
+  assert provenance.code_version() == commit
+  (tmp_path / "notes.md").write_text("new figures\n")  # results written beside the code
+  assert provenance.code_version() == commit
+  (tmp_path / "code.py").write_text("A = 2\n")
+  assert provenance.code_version() == f"{commit}-dirty"
+
+
+def test_an_installed_copy_without_its_source_tree_has_no_version(tmp_path, monkeypatch):
+  monkeypatch.setattr(provenance, "_ROOT", tmp_path)  # no pyproject.toml: site-packages
+  _git(tmp_path, "init", "-q")
+  assert provenance.code_version() is None
