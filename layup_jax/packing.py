@@ -6,9 +6,9 @@ object to create, a small kernel to launch), and LayUp makes several such calls 
 iteration: the optimizer step, the send and the peer's merge. Kept as one flat vector, a stage
 costs one array in each of them, as PyTorch FSDP's flat parameters do. The stage functions
 unpack the vector inside their jitted bodies, where slicing and reshaping are free, so the
-gradient of a packed stage comes out packed (each leaf's gradient written into its place). The optimizers used here (SGD, Adam, AdamW, global
-norm clipping) act elementwise or on the global norm, so a step on the packed vector equals the
-step on the pytree.
+gradient of a packed stage comes out packed (each leaf's gradient written into its place). The
+optimizers used here (SGD, Adam, AdamW, global norm clipping) act elementwise or on the global
+norm, so a step on the packed vector equals the step on the pytree.
 
 A stage's forward returns its VJP, whose residuals (the activations the backward pass needs)
 are tens of arrays per stage; `pack_residuals` stores them as one buffer per dtype, so that the

@@ -44,3 +44,9 @@ def machine() -> str:
 def measured_on() -> str:
   """Today's date and `machine()`."""
   return f"{datetime.date.today().isoformat()}, {machine()}"
+
+
+def stamp() -> dict[str, str | None]:
+  """The fields a benchmark's JSON starts with: `measured` (`measured_on()`) and `code`
+  (`code_version()`)."""
+  return {"measured": measured_on(), "code": code_version()}

@@ -164,9 +164,9 @@ def main() -> None:
   steps = ", ".join(f"{r['case']} {r['layup']['steps']}" for r in rows)
   print(f"(peak per device, the largest over {args.num_devices} devices; {how}; "
         f"{first['device_kind']}; {steps} steps after a warm-up of 2)")
-  made = {"measured": provenance.measured_on(), "code": provenance.code_version()}
   with open(args.out, "w") as f:
-    json.dump({**made, "platform": platform.platform(), "args": vars(args), "rows": rows}, f, indent=2)
+    json.dump({**provenance.stamp(), "platform": platform.platform(), "args": vars(args),
+               "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

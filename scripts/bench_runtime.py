@@ -175,10 +175,9 @@ def main() -> None:
           f"{table[f'ahead{ahead}_ms_per_step']:>10.1f}{table[f'ahead{ahead}_accuracy']:>9.4f}")
   print(f"(medians of {args.repeats} repeats, {jax.devices()[0].device_kind}, "
         f"jax {jax.__version__})")
-  made = {"measured": provenance.measured_on(), "code": provenance.code_version()}
   with open(args.out, "w") as f:
-    json.dump({**made, "args": vars(args), "table": table, "gossip": gossip_rows, "ahead": ahead_rows,
-               "runs": runs, "ahead_runs": ahead_runs}, f, indent=2)
+    json.dump({**provenance.stamp(), "args": vars(args), "table": table, "gossip": gossip_rows,
+               "ahead": ahead_rows, "runs": runs, "ahead_runs": ahead_runs}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -205,9 +205,8 @@ def main() -> None:
   print(f"(throughput ratio: median over {args.repeats} repeats of the ratio within a repeat, "
         f"{iterations} iterations each; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs "
         f"leave out library calls such as cuDNN convolutions)")
-  made = {"measured": provenance.measured_on(), "code": provenance.code_version()}
   with open(args.out, "w") as f:
-    json.dump({**made, "platform": platform.platform(), "jax": jax.__version__,
+    json.dump({**provenance.stamp(), "platform": platform.platform(), "jax": jax.__version__,
                "command": "python scripts/bench_step.py " + " ".join(sys.argv[1:]), "rows": rows},
               f, indent=2)
 

@@ -81,9 +81,8 @@ def main() -> None:
             f"{row['others_ratio_to_no_delay_median']:>13.3f}{1 / (1 + delay):>13.3f}")
   print(f"({args.num_devices} devices, straggler device {args.straggler}, {args.num_steps} steps, "
         f"medians of {args.repeats} repeats, {jax.devices()[0].device_kind})")
-  made = {"measured": provenance.measured_on(), "code": provenance.code_version()}
   with open(args.out, "w") as f:
-    json.dump({**made, "args": vars(args), "table": table, "runs": runs}, f, indent=2)
+    json.dump({**provenance.stamp(), "args": vars(args), "table": table, "runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":
