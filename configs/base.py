@@ -99,11 +99,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.baselines.outer_lr = 0.7  # DiLoCo: outer Nesterov SGD learning rate
   config.baselines.outer_momentum = 0.9  # DiLoCo: outer Nesterov momentum
 
-  # Straggler injection (paper Section 5.4): the device idles delay_iters times the measured mean
-  # iteration time before each of its iterations. device=-1 turns it off.
+  # Straggler injection (paper Section 5.4): one device slowed by delay_iters times its measured
+  # mean iteration time, each iteration (layup_jax/straggler.py). device=-1 turns it off.
   config.straggler = ml_collections.ConfigDict()
   config.straggler.device = -1
   config.straggler.delay_iters = 0.0
+  # "host": its compute thread idles before each iteration; "device": a program keeps its device
+  # busy before each iteration while the thread goes on dispatching (a slow device, fast host).
+  config.straggler.mode = "host"
 
   # Checkpoints (Orbax) in WORKDIR/checkpoints. Re-running a command with the same workdir resumes
   # from its newest readable checkpoint; SIGTERM or Ctrl-C saves one and exits 0.

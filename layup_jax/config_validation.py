@@ -8,7 +8,7 @@ import pathlib
 import ml_collections
 
 from configs import base
-from layup_jax import algorithms, data, models, nonfinite, optim, runtime, stages
+from layup_jax import algorithms, data, models, nonfinite, optim, runtime, stages, straggler
 from layup_jax.errors import ConfigError
 from layup_jax.models import gpt2
 
@@ -66,6 +66,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "layup.bn_policy", runtime.BN_POLICIES)
   _one_of(config, "layup.remat", stages.REMAT_POLICIES)
   _one_of(config, "faults.nonfinite", nonfinite.POLICIES)
+  _one_of(config, "straggler.mode", straggler.MODES)
 
   pretrained = config.model.pretrained
   if pretrained:

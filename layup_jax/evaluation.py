@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from layup_jax import pushsum
-from layup_jax.algorithms.base import Snapshot
 from layup_jax.data import EvalBatch
+from layup_jax.snapshot import Snapshot
 from layup_jax.stages import StagedModel
 
 

@@ -79,3 +79,8 @@ def throughput(iterations_per_device: Sequence[int], batch_size: int, train_time
         / time_s / 1e12
   mfu = tflops * 1e12 / peak_flops if tflops is not None and peak_flops else None
   return {"device_samples_per_s": per_device, "tflops_per_s_per_device": tflops, "mfu": mfu}
+
+
+def mean_or_nan(values: Sequence[float]) -> float:
+  """The mean of recorded values (training losses), NaN when there are none."""
+  return float(statistics.fmean(values)) if len(values) else float("nan")

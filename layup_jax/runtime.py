@@ -39,11 +39,13 @@ import numpy as np
 import optax
 
 from layup_jax import flops, nonfinite, pushsum, remap, transfer
-from layup_jax.algorithms.base import IterationClock, Snapshot, mean_or_nan
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import NonFiniteError
+from layup_jax.measurements import mean_or_nan
 from layup_jax.packing import StagePacking
+from layup_jax.snapshot import Snapshot
 from layup_jax.stages import StagedModel, make_stage_steps, stage_key, staged_pass
+from layup_jax.straggler import IterationClock
 
 PyTree = Any
 BN_POLICIES = ("mix", "local")
@@ -233,6 +235,7 @@ class LayUpRuntime:
       max_dispatch_ahead: int = 1,
       straggler_device: int = -1,
       straggler_delay_iters: float = 0.0,
+      straggler_mode: str = "host",
       nonfinite_policy: str = "stop",
       gossip: bool = True,
       latency_every: int = 0,
@@ -301,8 +304,9 @@ class LayUpRuntime:
     self.weights = pushsum.PushSumWeights(self.num_devices)
     self._peer_rngs = [np.random.default_rng([seed, 1, i]) for i in range(self.num_devices)]
     self._clocks = [
-        IterationClock(straggler_delay_iters if i == straggler_device else 0.0)
-        for i in range(self.num_devices)
+        IterationClock(straggler_delay_iters if i == straggler_device else 0.0, straggler_mode,
+                       device)
+        for i, device in enumerate(devices)
     ]
     self._losses: list[list[float]] = [[] for _ in devices]
     # Gradient finiteness of each device's iterations not read yet, (iteration, stages in the
@@ -503,6 +507,8 @@ class LayUpRuntime:
     Concurrent first compilations race, and none may happen inside the timed loop.
     """
     example = (self._example_batch.inputs, self._example_batch.targets)
+    for clock in self._clocks:
+      clock.compile()
     for replica, all_finite in zip(self.replicas, self._all_finite):
       inputs, targets = jax.device_put(example, replica.device)
       iteration = jax.device_put(np.int32(0), replica.device)

@@ -2,6 +2,7 @@
 
 import gc
 import threading
+import time
 
 import chex
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from layup_jax import pushsum
+from layup_jax import pushsum, straggler
 from layup_jax.data import EvalSet, digits
 from layup_jax.evaluation import Evaluator
 from layup_jax import transfer
@@ -183,8 +184,11 @@ def test_an_exception_in_an_updater_thread_surfaces_with_its_device_and_stage():
   assert not [t for t in threading.enumerate() if t.name.startswith("layup-") and t.is_alive()]
 
 
-def test_a_straggler_does_fewer_iterations_than_the_others():
-  runtime = make_layup_runtime(4, straggler_device=0, straggler_delay_iters=3.0)
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_a_straggler_does_fewer_iterations_than_the_others(mode):
+  # host: its compute thread idles; device: a delay program keeps its device busy.
+  runtime = make_layup_runtime(4, straggler_device=0, straggler_delay_iters=3.0,
+                               straggler_mode=mode)
   runtime.compile()
   runtime.run_until(4 * 60, lambda _: None)
   runtime.close()
@@ -291,3 +295,17 @@ def test_run_until_returns_with_every_iterations_loss_recorded(runtime_class):
     runtime.run_until(4 * steps, lambda _: None)
     assert sum(len(losses) for losses in runtime._losses) == 4 * steps
   runtime.close()
+
+
+def test_a_delay_program_keeps_its_device_busy_without_blocking_the_caller():
+  device = jax.devices()[5]
+  program = straggler.DelayProgram(device)
+  program.calibrate()
+  start = time.perf_counter()
+  done = program(1.0)
+  dispatched = time.perf_counter() - start
+  assert not done.is_ready() and dispatched < 0.5  # asynchronous: the caller goes on
+  independent = jax.device_put(np.ones(3), device) + 1.0  # queued behind it on that device
+  jax.block_until_ready(independent)
+  assert done.is_ready()  # the device ran its programs in order
+  assert time.perf_counter() - start > 0.5  # and the delay was real device time

@@ -1,33 +1,17 @@
 """What every training algorithm exposes to the runner, and the pieces they share."""
 
-import dataclasses
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
 import ml_collections
-import numpy as np
 
 from layup_jax import models
 from layup_jax.data.pipeline import Batch
+from layup_jax.snapshot import Snapshot
 from layup_jax.stages import StagedModel
 
 PyTree = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-  """References to every replica's model at a consistent point, for evaluation.
-
-  `weights` average the parameters (push-sum weights; a single 1.0 for a replicated model) and
-  `state_weights` the BatchNorm statistics, which depend on the BatchNorm policy.
-  """
-
-  params: list[list[PyTree]]  # [replica][stage]
-  state: list[list[PyTree]]
-  weights: list[float]
-  state_weights: list[float]
 
 
 class Runtime(Protocol):
@@ -103,50 +87,8 @@ def runtime_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       "max_dispatch_ahead": config.layup.max_dispatch_ahead,
       "straggler_device": config.straggler.device,
       "straggler_delay_iters": config.straggler.delay_iters,
+      "straggler_mode": config.straggler.mode,
       "nonfinite_policy": config.faults.nonfinite,
       "pack_stages": config.layup.pack_stages,
       "remat": config.layup.remat,
   }
-
-
-class IterationClock:
-  """Idles a straggler `delay_iters` times its mean iteration time before each iteration.
-
-  Paper Section 5.4: the idle time is a multiple of the time one forward and one backward pass
-  take. A straggler's clock therefore waits, at the end of each iteration, for that iteration's
-  last outputs (the backward pass's end) before reading the time: with asynchronous dispatch
-  the device would otherwise drain its queue during the idling and the measured time, and with
-  it the delay, would shrink towards the dispatch time alone. Clocks without delay never wait.
-  """
-
-  def __init__(self, delay_iters: float):
-    self.delay_iters = delay_iters
-    self._start = 0.0
-    self._total, self._count = 0.0, 0
-
-  def mean(self) -> float:
-    return self._total / self._count if self._count else 0.0
-
-  def start_iteration(self, idle: Callable[[float], Any] = time.sleep) -> None:
-    """Idles (when a straggler) and marks the start of an iteration."""
-    delay = self.delay_iters * self.mean()
-    if delay > 0:
-      idle(delay)
-    self._start = time.perf_counter()
-
-  def get_state(self) -> list[float]:
-    return [self._total, self._count]
-
-  def set_state(self, state: Sequence[float]) -> None:
-    self._total, self._count = float(state[0]), int(state[1])
-
-  def end_iteration(self, last_outputs: Any) -> None:
-    """Marks the end of an iteration whose work ends with `last_outputs`."""
-    if self.delay_iters > 0:
-      jax.block_until_ready(last_outputs)
-      self._total += time.perf_counter() - self._start
-      self._count += 1
-
-
-def mean_or_nan(values: Sequence[float]) -> float:
-  return float(np.mean(values)) if len(values) else float("nan")

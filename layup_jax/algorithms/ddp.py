@@ -20,10 +20,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from layup_jax import flops, nonfinite
-from layup_jax.algorithms.base import IterationClock, Snapshot, init_model, mean_or_nan
+from layup_jax.algorithms.base import init_model
 from layup_jax.data import Dataset
 from layup_jax.errors import NonFiniteError
+from layup_jax.measurements import mean_or_nan
+from layup_jax.snapshot import Snapshot
 from layup_jax.stages import StagedModel
+from layup_jax.straggler import IterationClock
 
 
 def train_step(model: StagedModel, tx: optax.GradientTransformation, params, state, opt_state,
@@ -48,7 +51,8 @@ class DDPRuntime:
   donates_buffers = True  # each step donates params, state and Optax state
 
   def __init__(self, model, tx, devices, train_batches, params, state, example_batch, *,
-               seed: int, straggler_delay_iters: float = 0.0, nonfinite_policy: str = "stop"):
+               seed: int, straggler_delay_iters: float = 0.0, straggler_mode: str = "host",
+               straggler_device: int = 0, nonfinite_policy: str = "stop"):
     self.num_devices = len(devices)
     mesh = Mesh(np.asarray(devices), ("data",))
     self._replicated = NamedSharding(mesh, PartitionSpec())
@@ -67,7 +71,7 @@ class DDPRuntime:
     )
     self._steps_done = 0
     self._skipped = 0
-    self._clock = IterationClock(straggler_delay_iters)
+    self._clock = IterationClock(straggler_delay_iters, straggler_mode, devices[straggler_device])
     self._losses: list[float] = []
 
   def _global_batch(self):
@@ -87,6 +91,7 @@ class DDPRuntime:
         (self.params, self.state, self.opt_state),
     )
     self._step = self._step.lower(*avals, *args, self._key, iteration).compile()
+    self._clock.compile()
 
   def _check(self, step: int, loss: jax.Array, finite: jax.Array) -> None:
     """Reads one step's loss and gradient flags: records, skips or raises NonFiniteError."""
@@ -190,4 +195,6 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
   delay = config.straggler.delay_iters if config.straggler.device >= 0 else 0.0
   return DDPRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,
                     seed=config.seed, straggler_delay_iters=delay,
+                    straggler_mode=config.straggler.mode,
+                    straggler_device=max(config.straggler.device, 0),
                     nonfinite_policy=config.faults.nonfinite)

@@ -1,0 +1,20 @@
+"""What the runner evaluates: references to every replica's model at a consistent point."""
+
+import dataclasses
+from typing import Any
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+  """References to every replica's model at a consistent point, for evaluation.
+
+  `weights` average the parameters (push-sum weights; a single 1.0 for a replicated model) and
+  `state_weights` the BatchNorm statistics, which depend on the BatchNorm policy.
+  """
+
+  params: list[list[PyTree]]  # [replica][stage]
+  state: list[list[PyTree]]
+  weights: list[float]
+  state_weights: list[float]
