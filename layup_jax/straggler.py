@@ -71,8 +71,8 @@ class IterationClock:
   iteration instead. Either way the clock waits, at the end of each iteration, for that
   iteration's last outputs before reading the time: with asynchronous dispatch the measured
   time, and with it the delay, would otherwise shrink towards the dispatch time alone. In device
-  mode the iteration's time starts when the delay program has finished (or when the iteration
-  was dispatched, if that was later). Clocks without delay never wait.
+  mode the iteration's time starts when the delay program is seen finished. Clocks without
+  delay never wait.
   """
 
   def __init__(self, delay_iters: float = 0.0, mode: str = "host",
@@ -110,7 +110,12 @@ class IterationClock:
     if self.delay_iters <= 0:
       return
     start = self._start
-    if self._delay is not None and not self._delay.is_ready():
+    if self._delay is not None:
+      # Time from when the delay program is seen done: at once if it still runs; else now,
+      # which can only shorten the measure by the dispatch time. Timing from the start would
+      # count the delay in when dispatch itself waited for it (a program donating a buffer
+      # sharded over the devices, as DDP's step, is not dispatched before the device's earlier
+      # programs are done), and each delay would then lengthen the next.
       self._delay.block_until_ready()
       start = time.perf_counter()
     jax.block_until_ready(last_outputs)
