@@ -3,10 +3,10 @@
 `straggler.mode` says where the slowness is:
   host:   the device's compute thread idles `delay_iters` x its mean iteration time before each
           iteration. The host is slow; the device idles with it.
-  device: before each iteration the compute thread dispatches a program that keeps the device
+  device: before its iterations the compute thread dispatches a program that keeps the device
           busy for `delay_iters` x its mean iteration time, and goes on dispatching. The device
           is slow (thermal throttling, a GPU shared with another job) while its host thread is
-          not. A device runs its programs in the order they were dispatched, so the straggler's
+          not (`IterationClock` says how the iteration time is measured). A device runs its programs in the order they were dispatched, so the straggler's
           own iteration waits for the delay program; any other device that is handed work
           depending on the straggler's unfinished programs waits too, which is what this mode
           exposes.
@@ -67,13 +67,18 @@ class DelayProgram:
 class IterationClock:
   """Measures a straggler's iteration time and slows it by `delay_iters` times its mean.
 
-  Host mode idles before each iteration. Device mode dispatches a `DelayProgram` before each
-  iteration instead. Either way the clock waits, at the end of each iteration, for that
-  iteration's last outputs before reading the time: with asynchronous dispatch the measured
-  time, and with it the delay, would otherwise shrink towards the dispatch time alone. In device
-  mode the iteration's time starts when the delay program is seen finished. Clocks without
-  delay never wait.
+  The time of an iteration runs from its start to its last outputs being computed: the clock
+  waits for them, since with asynchronous dispatch the time (and with it the delay) would
+  otherwise shrink towards the dispatch time alone. Host mode measures every iteration and
+  idles before each. Device mode measures only iterations that carry no delay, one in
+  `MEASURE_EVERY`: where a delay program runs, the device finishes it and the iteration's
+  programs while the host may still be dispatching, so the iteration's own time cannot be
+  told apart from the delay's. The other iterations each get a delay program of
+  `delay_iters * mean * MEASURE_EVERY / (MEASURE_EVERY - 1)`, the same delay per iteration on
+  average, and are not waited for. Clocks without delay never wait.
   """
+
+  MEASURE_EVERY = 4
 
   def __init__(self, delay_iters: float = 0.0, mode: str = "host",
                device: jax.Device | None = None):
@@ -84,8 +89,8 @@ class IterationClock:
     self.delay_iters, self.mode = delay_iters, mode
     self._program = DelayProgram(device) if mode == "device" and delay_iters > 0 else None
     self._start = 0.0
-    self._delay: jax.Array | None = None
-    self._total, self._count = 0.0, 0
+    self._measured = False  # whether the iteration under way is timed
+    self._total, self._count, self._iterations = 0.0, 0, 0
 
   def compile(self) -> None:
     """Compiles and calibrates the delay program (device mode), outside the timed loop."""
@@ -98,32 +103,27 @@ class IterationClock:
   def start_iteration(self, idle: Callable[[float], Any] = time.sleep) -> None:
     """Slows the straggler (idling, or dispatching the delay program) and marks the start."""
     delay = self.delay_iters * self.mean()
-    self._delay = None
-    if delay > 0 and self._program is not None:
-      self._delay = self._program(delay)
+    self._measured = self.delay_iters > 0
+    if self._program is not None:
+      self._measured = self._iterations % self.MEASURE_EVERY == 0
+      if not self._measured and delay > 0:
+        self._program(delay * self.MEASURE_EVERY / (self.MEASURE_EVERY - 1))
     elif delay > 0:
       idle(delay)
+    self._iterations += 1
     self._start = time.perf_counter()
 
   def end_iteration(self, last_outputs: Any) -> None:
     """Marks the end of an iteration whose work ends with `last_outputs`."""
-    if self.delay_iters <= 0:
+    if not self._measured:
       return
-    start = self._start
-    if self._delay is not None:
-      # Time from when the delay program is seen done: at once if it still runs; else now,
-      # which can only shorten the measure by the dispatch time. Timing from the start would
-      # count the delay in when dispatch itself waited for it (a program donating a buffer
-      # sharded over the devices, as DDP's step, is not dispatched before the device's earlier
-      # programs are done), and each delay would then lengthen the next.
-      self._delay.block_until_ready()
-      start = time.perf_counter()
     jax.block_until_ready(last_outputs)
-    self._total += time.perf_counter() - start
+    self._total += time.perf_counter() - self._start
     self._count += 1
 
   def get_state(self) -> list[float]:
-    return [self._total, self._count]
+    return [self._total, self._count, self._iterations]
 
   def set_state(self, state: Sequence[float]) -> None:
     self._total, self._count = float(state[0]), int(state[1])
+    self._iterations = int(state[2]) if len(state) > 2 else self._count
