@@ -77,6 +77,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.layup.bn_policy = "mix"  # BatchNorm running statistics under gossip: "mix" or "local"
   config.layup.max_dispatch_ahead = 1  # iterations a compute thread may run ahead of its device
   config.layup.gossip = True  # False: local steps only (LayUp, GoSGD, AD-PSGD), to time gossip
+  # Push-sum weights (LayUp, GoSGD): "per_stage", one weight per device and stage, each stage an
+  # exact push-sum instance; "per_model", one per device as in the paper's Algorithm 1 (the
+  # average drifts when sends of different devices interleave; layup_jax/algorithms/layup.py).
+  config.layup.push_sum = "per_stage"
   # Store each stage's params and optimizer state as one flat vector (layup_jax/packing.py):
   # one array per stage in every optimizer step, send and merge. False: per-stage pytrees.
   config.layup.pack_stages = True

@@ -8,7 +8,7 @@ import pathlib
 import ml_collections
 
 from configs import base
-from layup_jax import algorithms, data, models, nonfinite, optim, runtime, stages, straggler
+from layup_jax import algorithms, data, models, nonfinite, optim, options, stages, straggler
 from layup_jax.errors import ConfigError
 from layup_jax.models import gpt2
 
@@ -63,7 +63,8 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "data.name", data.names())
   _one_of(config, "optimizer.name", optim.OPTIMIZERS)
   _one_of(config, "optimizer.schedule", optim.SCHEDULES)
-  _one_of(config, "layup.bn_policy", runtime.BN_POLICIES)
+  _one_of(config, "layup.bn_policy", options.BN_POLICIES)
+  _one_of(config, "layup.push_sum", options.PUSH_SUM)
   _one_of(config, "layup.remat", stages.REMAT_POLICIES)
   _one_of(config, "faults.nonfinite", nonfinite.POLICIES)
   _one_of(config, "straggler.mode", straggler.MODES)

@@ -13,6 +13,7 @@ from layup_jax.stages import StagedModel
 
 
 def _consensus_and_distance(params, state, weights, state_weights):
+  """The consensus model (stage by stage, `weights[i, s]`), its statistics, the disagreement."""
   center = pushsum.consensus(params, weights)
   return center, pushsum.consensus(state, state_weights), pushsum.consensus_distance(params, center)
 

@@ -43,7 +43,8 @@ def compiled(fn, *args) -> Any:
 def staged_calls(model: stages.StagedModel, steps: stages.StageSteps, update: Callable, params,
                  state, opt_state, batch, key, iteration, visit: Callable) -> None:
   """Calls `visit(fn, *args)` for every jitted function of one staged iteration on one device
-  (stage forwards, loss, backwards, tie functions, per-stage updates) with its arguments.
+  (stage forwards, loss, backwards, tie functions, per-stage updates `update(params,
+  opt_state, grads, step)`) with its arguments.
 
   Runs the staged pass once on the given arrays to get each function's arguments.
   """
@@ -61,7 +62,7 @@ def staged_calls(model: stages.StagedModel, steps: stages.StageSteps, update: Ca
   _, grads, _ = stages.staged_value_and_grad(model, visited_steps, params, state, batch.inputs,
                                              batch.targets, key, iteration)
   for s, stage_grads in enumerate(grads):
-    visit(update, params[s], opt_state[s], stage_grads)
+    visit(update, params[s], opt_state[s], stage_grads, iteration)  # the step: an int32 too
 
 
 def staged_flops(model: stages.StagedModel, steps: stages.StageSteps, update: Callable, params,

@@ -1,10 +1,17 @@
 """Push-sum maths (Kempe et al. 2003) as used by LayUp: no threads, no devices.
 
-A replica i holds parameters x_i and a host weight w_i (float64, 1/M at start). Sending to a peer j
-halves w_i and ships x_i with the halved weight; the peer mixes
-`x_j <- (w_j x_j + w_sent x_i) / (w_j + w_sent)` and adds `w_sent` to `w_j` (paper Algorithm 1).
-The mass `sum_i w_i x_i` and the weight sum are invariant under a send, so the consensus
-`x_bar = sum_i w_i x_i / sum_i w_i` only moves through the local optimizer steps.
+Replica i holds, per stage s, parameters x_{i,s} and a host weight w_{i,s} (float64, 1/M at
+start). Sending stage s to a peer j halves w_{i,s} and ships x_{i,s} with the halved amount a;
+the peer mixes `x_{j,s} <- (w_{j,s} x_{j,s} + a x_{i,s}) / (w_{j,s} + a)` and adds a to w_{j,s}.
+The mass `sum_i w_{i,s} x_{i,s}` and the weight sum of every stage are invariant under a send,
+so each stage's consensus `x_bar_s = sum_i w_{i,s} x_{i,s} / sum_i w_{i,s}` only moves through
+the local optimizer steps: every stage is an exact push-sum instance.
+
+Paper Algorithm 1 keeps one weight per device instead: w_i is halved when an iteration's sends
+begin, each stage is mixed in with the peer's current w_j, and w_j grows by the sent amount
+after the last stage. With stages sent one at a time, a third device can mix a stage into j
+between two of i's stages and read a w_j that does not match the stage it mixes into, so the
+average drifts (layup.push_sum=per_model keeps this form, as columns of equal weights).
 """
 
 from collections.abc import Sequence
@@ -22,13 +29,29 @@ def merge(receiver: PyTree, sent: PyTree, receiver_share: jax.Array) -> PyTree:
   return optax.tree.cast_like(mixed, receiver)
 
 
-def consensus(replicas: Sequence[PyTree], weights: jax.Array) -> PyTree:
-  """The push-sum estimate `sum_i w_i x_i / sum_i w_i` of the average model."""
-  weights = weights / jnp.sum(weights)
-  total = optax.tree.scale(weights[0], replicas[0])
-  for weight, replica in zip(weights[1:], replicas[1:]):
-    total = optax.tree.add(total, optax.tree.scale(weight, replica))
-  return optax.tree.cast_like(total, replicas[0])
+def toward_average(current: PyTree, mine: PyTree, theirs: PyTree) -> PyTree:
+  """`current + (theirs - mine) / 2`: a symmetric pairwise average applied as a correction.
+
+  With `current == mine` it is `(mine + theirs) / 2`. Both sides of a pair receive opposite
+  corrections, so the sum of the two models is kept exactly (up to rounding) even when a
+  local step landed on `current` after `mine` was read, and that step is kept too.
+  """
+  moved = optax.tree.add_scale(current, 0.5, optax.tree.sub(theirs, mine))
+  return optax.tree.cast_like(moved, current)
+
+
+def consensus(replicas: Sequence[Sequence[PyTree]], weights: jax.Array) -> list[PyTree]:
+  """Stage by stage, the push-sum estimate of the average model,
+  `x_bar_s = sum_i w_{i,s} x_{i,s} / sum_i w_{i,s}`; `replicas[i][s]`, `weights[i, s]`."""
+  weights = jnp.asarray(weights)
+  weights = weights / jnp.sum(weights, axis=0, keepdims=True)
+  center = []
+  for s in range(weights.shape[1]):
+    total = optax.tree.scale(weights[0, s], replicas[0][s])
+    for i in range(1, len(replicas)):
+      total = optax.tree.add(total, optax.tree.scale(weights[i, s], replicas[i][s]))
+    center.append(optax.tree.cast_like(total, replicas[0][s]))
+  return center
 
 
 def consensus_distance(replicas: Sequence[PyTree], center: PyTree) -> jax.Array:
@@ -39,30 +62,29 @@ def consensus_distance(replicas: Sequence[PyTree], center: PyTree) -> jax.Array:
 
 
 class PushSumWeights:
-  """The host-side push-sum weights, one float64 per device.
+  """The host-side push-sum weights w_{i,s}: one float64 per device and stage, 1/M at start.
 
-  `send` halves the sender's weight and returns the halved amount; `receive` adds it to the peer.
-  Returning the amount (instead of re-reading w_i when the iteration ends, as Algorithm 1 writes
-  it) keeps the weight sum exactly invariant even if w_i grows from other senders meanwhile.
-  Updates are plain float stores: concurrent updaters may lose one (the paper's lock-free
-  semantics); the sum is logged so that drift is visible.
+  Plain floats without a lock of their own: the replica store changes w_{i,s} only while it
+  holds the lock of stage s of device i, in the same atomic write as the stage it weighs.
   """
 
-  def __init__(self, num_devices: int):
-    self.values = [1.0 / num_devices] * num_devices
+  def __init__(self, num_devices: int, num_stages: int):
+    self.values = [[1.0 / num_devices] * num_stages for _ in range(num_devices)]
 
-  def send(self, sender: int) -> float:
-    sent = self.values[sender] / 2.0
-    self.values[sender] -= sent
+  def halve(self, sender: int, s: int) -> float:
+    """`w_{i,s} <- w_{i,s} / 2`; returns the halved amount, which travels with the stage."""
+    sent = self.values[sender][s] / 2.0
+    self.values[sender][s] -= sent
     return sent
 
-  def receiver_share(self, receiver: int, sent: float) -> float:
-    """The receiver's coefficient `w_j / (w_j + w_sent)` in the merge."""
-    w_receiver = self.values[receiver]
+  def receiver_share(self, receiver: int, s: int, sent: float) -> float:
+    """The receiver's coefficient `w_{j,s} / (w_{j,s} + sent)` in the merge."""
+    w_receiver = self.values[receiver][s]
     return w_receiver / (w_receiver + sent)
 
-  def receive(self, receiver: int, sent: float) -> None:
-    self.values[receiver] += sent
+  def add(self, receiver: int, s: int, sent: float) -> None:
+    self.values[receiver][s] += sent
 
-  def total(self) -> float:
-    return float(sum(self.values))
+  def sums(self) -> list[float]:
+    """The weight sum of each stage (1 while no weight is lost)."""
+    return [float(sum(column)) for column in zip(*self.values)]

@@ -16,8 +16,16 @@ import ml_collections
 import tqdm
 from absl import logging
 
-from layup_jax import (algorithms, checkpointing, data, flops, measurements, models, optim,
-                       provenance)
+from layup_jax import (
+  algorithms,
+  checkpointing,
+  data,
+  flops,
+  measurements,
+  models,
+  optim,
+  provenance,
+)
 from layup_jax.checkpointing import Checkpoints, check_compatible
 from layup_jax.config_validation import resolve_num_steps, validate_config
 from layup_jax.errors import ConfigError, StorageError
@@ -133,7 +141,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
 
   def evaluate(step: int, write: bool = True) -> dict[str, Any]:
     train_loss = runtime.train_loss()
-    common = {"step": step, "time_s": train_time, "weight_sum": runtime.weight_sum()}
+    sums = runtime.weight_sums()
+    common = {"step": step, "time_s": train_time, "weight_sum_min": min(sums),
+              "weight_sum_max": max(sums)}
     if step > 0 and write:
       writer.write({**common, "split": "train", "loss": train_loss,
                     "samples_per_s": samples_per_s(), **throughput(),
@@ -232,7 +242,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       "final_device0_accuracy": record["device0_accuracy"],
       **({"final_eval_perplexity": record["perplexity"]} if "perplexity" in record else {}),
       "consensus_distance": record["consensus_distance"],
-      "weight_sum": record["weight_sum"],
+      "weight_sum_min": record["weight_sum_min"],
+      "weight_sum_max": record["weight_sum_max"],
       "wall_time_s": train_time,
       "train_samples_per_s": samples_per_s(),
       "skipped_steps": runtime.skipped_steps(),

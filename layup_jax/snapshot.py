@@ -10,11 +10,12 @@ PyTree = Any
 class Snapshot:
   """References to every replica's model at a consistent point, for evaluation.
 
-  `weights` average the parameters (push-sum weights; a single 1.0 for a replicated model) and
-  `state_weights` the BatchNorm statistics, which depend on the BatchNorm policy.
+  `weights[i][s]` average stage s's parameters over replicas i (push-sum weights; 1.0 for a
+  replicated model) and `state_weights` the BatchNorm statistics, which depend on the
+  BatchNorm policy.
   """
 
   params: list[list[PyTree]]  # [replica][stage]
   state: list[list[PyTree]]
-  weights: list[float]
-  state_weights: list[float]
+  weights: list[list[float]]  # [replica][stage]
+  state_weights: list[list[float]]

@@ -294,7 +294,7 @@ def staged_pass(
     model: StagedModel,
     steps: StageSteps,
     read_params: Callable[[int], PyTree],
-    state: list[PyTree],
+    with_state: Callable[[int, Callable[[PyTree], tuple[Any, PyTree]]], Any],
     x: jax.Array,
     labels: jax.Array,
     stage_keys: Sequence[jax.Array],
@@ -305,10 +305,11 @@ def staged_pass(
   """One forward and backward pass, dispatched stage by stage (paper Algorithm 1, compute side).
 
   `read_params(s)` is called when stage s's forward and its backward are dispatched, so each uses
-  the freshest params; `state[s]` is replaced as soon as stage s's forward returns; `emit(s,
+  the freshest params. `with_state(s, forward)` calls `forward(state of stage s)`, which returns
+  `(outputs, new state)`, stores the new state and returns the outputs: the runtime makes that
+  one atomic write of the replica (`ReplicaStore.run_forward`), `states_in` a list. `emit(s,
   grads)` is called as soon as stage s's gradient is dispatched, last stage first;
-  `stage_keys[s]` is `stage_key(key, s)`.
-  Returns `(loss, grads of stage 0)`.
+  `stage_keys[s]` is `stage_key(key, s)`. Returns `(loss, grads of stage 0)`.
   """
   last = model.num_stages - 1
   vjps, inputs = [], []
@@ -318,17 +319,27 @@ def staged_pass(
       return x, steps.read_tied[s](read_params(model.tie_of(s).owner))
     return model.stage_input(s, x, read_params)
 
+  def forward(s: int, x_in: PyTree) -> Callable[[PyTree], tuple[Any, PyTree]]:
+    def run(state: PyTree) -> tuple[Any, PyTree]:
+      y, new_state, vjp = steps.forward[s](read_params(s), state, x_in, stage_keys[s], iteration)
+      return (y, vjp), new_state
+    return run
+
+  def loss_forward(x_in: PyTree) -> Callable[[PyTree], tuple[Any, PyTree]]:
+    def run(state: PyTree) -> tuple[Any, PyTree]:
+      loss, new_state, grads, dx = steps.loss(read_params(last), state, x_in, labels,
+                                              stage_keys[last], iteration)
+      return (loss, grads, dx), new_state
+    return run
+
   for s in range(last):
     on_stage(s)
     x_in = stage_input(s, x)
-    x, state[s], vjp = steps.forward[s](read_params(s), state[s], x_in, stage_keys[s],
-                                        iteration)
+    x, vjp = with_state(s, forward(s, x_in))
     vjps.append(vjp)
     inputs.append(x_in)  # given to its backward again: the residuals hold no copy
   on_stage(last)
-  x_in = stage_input(last, x)
-  loss, state[last], grads, dx = steps.loss(read_params(last), state[last], x_in, labels,
-                                            stage_keys[last], iteration)
+  loss, grads, dx = with_state(last, loss_forward(stage_input(last, x)))
   tied_grads = {}
   for s in reversed(range(last + 1)):
     if s < last:
@@ -347,6 +358,14 @@ def staged_pass(
   return loss, grads
 
 
+def states_in(states: list[PyTree]) -> Callable[[int, Callable], Any]:
+  """`with_state` for `staged_pass` over a plain list of per-stage states (replaced in place)."""
+  def with_state(s: int, forward: Callable[[PyTree], tuple[Any, PyTree]]) -> Any:
+    outputs, states[s] = forward(states[s])
+    return outputs
+  return with_state
+
+
 def staged_value_and_grad(model: StagedModel, steps: StageSteps, params, state, x, labels, key,
                           iteration):
   """One staged forward and backward pass on fixed params, on the calling thread.
@@ -356,6 +375,6 @@ def staged_value_and_grad(model: StagedModel, steps: StageSteps, params, state, 
   """
   grads, new_state = [None] * model.num_stages, list(state)
   keys = [stage_key(key, s) for s in range(model.num_stages)]
-  loss, _ = staged_pass(model, steps, params.__getitem__, new_state, x, labels, keys, iteration,
-                        grads.__setitem__)
+  loss, _ = staged_pass(model, steps, params.__getitem__, states_in(new_state), x, labels, keys,
+                        iteration, grads.__setitem__)
   return loss, grads, new_state

@@ -58,9 +58,7 @@ def measure(case: str, algorithm: str, num_devices: int, steps: int) -> dict:
   from configs import base
   from layup_jax import algorithms, data, models, optim
   from layup_jax.algorithms.base import init_model
-  from layup_jax.algorithms.ddp import DDPRuntime
   from layup_jax.data.pipeline import random_image_batches
-  from layup_jax.runtime import LayUpRuntime
 
   config = base.get_config()
   config.algorithm, config.num_devices = algorithm, num_devices
@@ -78,13 +76,10 @@ def measure(case: str, algorithm: str, num_devices: int, steps: int) -> dict:
   else:  # random CIFAR-shaped batches (memory does not depend on the values)
     batches = lambda seed: random_image_batches(config.data.batch_size, 32, 100, seed)
     example = next(batches(0))
-    params, state = init_model(config, model, example)
-    runtime_class = LayUpRuntime if algorithm == "layup" else DDPRuntime
-    runtime = runtime_class(model, tx, devices, [batches(i) for i in range(num_devices)],
-                            params, state, example, seed=0)
+    streams = data.TrainStreams([batches(i) for i in range(num_devices)], example)
+    runtime = algorithms.build_runtime(config, model, tx, devices, streams)
   largest_stage = max(sum(leaf.nbytes for leaf in jax.tree.leaves(p))
                       for p in init_model(config, model, example)[0])
-  params = state = None  # only the runtime's arrays stay alive
   runtime.compile()
   temp = runtime.temp_bytes()
   runtime.run_until(2 * num_devices, lambda done: None)  # warm-up

@@ -36,10 +36,8 @@ import jax
 
 from configs import base, digits
 from layup_jax import algorithms, data, models, optim, provenance
-from layup_jax.algorithms.base import init_model
 from layup_jax.data.pipeline import random_image_batches
 from layup_jax.evaluation import Evaluator
-from layup_jax.runtime import LayUpRuntime
 from layup_jax.sidebyside import interleaved, median_ratio, serial_block, threaded_block
 
 STEPS = {"digits": 10, "resnet18-cifar": 1}  # steps per timed block
@@ -67,15 +65,12 @@ def build(num_devices: int, gossip: bool = True, case: str = "digits", ahead: in
 def build_resnet18(num_devices: int, gossip: bool):
   config = base.get_config()
   config.model.name, config.model.num_classes, config.data.batch_size = "resnet18", 100, 32
+  config.num_devices, config.layup.gossip, config.metrics.latency_every = num_devices, gossip, 0
   model = models.make_model(config.model)
   tx = optim.make_optimizer(config.optimizer, 10_000)
-
-  batches = lambda seed: random_image_batches(32, 32, 100, seed)
-  example = next(batches(0))
-  params, state = init_model(config, model, example)
-  runtime = LayUpRuntime(model, tx, jax.devices()[:num_devices],
-                         [batches(i) for i in range(num_devices)], params, state, example,
-                         seed=0, gossip=gossip)
+  batches = [random_image_batches(32, 32, 100, seed) for seed in range(num_devices)]
+  streams = data.TrainStreams(batches, next(random_image_batches(32, 32, 100, 0)))
+  runtime = algorithms.build_runtime(config, model, tx, jax.devices()[:num_devices], streams)
   runtime.compile()
   return runtime, _NoData()
 

@@ -35,9 +35,11 @@ from configs import base
 from layup_jax import data, models, optim, provenance
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
+from layup_jax.algorithms.layup import LayUp
 from layup_jax.data.pipeline import Batch, random_image_batches
 from layup_jax.flops import PEAK_FLOPS, compiled, flops_of
-from layup_jax.runtime import LayUpRuntime
+from layup_jax.options import RuntimeOptions
+from layup_jax.runtime import AsyncRuntime
 from layup_jax.sidebyside import interleaved, median_ratio, serial_block, threaded_block
 
 CASES = {  # "iters": iterations per timed block (short: the sides alternate often)
@@ -103,9 +105,9 @@ def bench_case(case: str, repeats: int, iters: int | None) -> dict:
   tx = optim.make_optimizer(config.optimizer, 10_000)
   params, state = init_model(config, model, example)
 
-  def runtime(pack: bool) -> LayUpRuntime:
-    built = LayUpRuntime(model, tx, [device], [train], params, state, example, seed=config.seed,
-                         pack_stages=pack)
+  def runtime(pack: bool) -> AsyncRuntime:
+    options = RuntimeOptions(seed=config.seed, pack_stages=pack)
+    built = AsyncRuntime(model, tx, [device], [train], params, state, example, LayUp, options)
     built.compile()
     return built
 

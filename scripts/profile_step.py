@@ -26,9 +26,7 @@ import jax
 
 from configs import digits
 from layup_jax import algorithms, data, models, optim
-from layup_jax.algorithms.base import init_model
 from layup_jax.data.pipeline import random_image_batches
-from layup_jax.runtime import LayUpRuntime
 
 
 def build(model_name: str, num_devices: int, gossip: bool):
@@ -42,11 +40,10 @@ def build(model_name: str, num_devices: int, gossip: bool):
     return algorithms.build_runtime(config, model, tx, devices, dataset), dataset
   config.model.name, config.model.num_classes = "resnet18", 100
   model, tx = models.make_model(config.model), optim.make_optimizer(config.optimizer, 10_000)
-  example = next(random_image_batches(32, 32, 100, 0))
-  params, state = init_model(config, model, example)
-  runtime = LayUpRuntime(model, tx, devices,
-                         [random_image_batches(32, 32, 100, i) for i in range(num_devices)],
-                         params, state, example, seed=0, gossip=gossip)
+  config.metrics.latency_every = 0
+  streams = data.TrainStreams([random_image_batches(32, 32, 100, i) for i in range(num_devices)],
+                              next(random_image_batches(32, 32, 100, 0)))
+  runtime = algorithms.build_runtime(config, model, tx, devices, streams)
   return runtime, None
 
 

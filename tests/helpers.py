@@ -32,25 +32,28 @@ def mlp_model(widths=(16, 16), num_classes=10) -> StagedModel:
 
 
 def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_size=8, seed=0,
-                       runtime_class=None, **runtime_kwargs):
-  """A LayUp runtime (or a baseline's, `runtime_class`) on the digits data with SGD with
-  momentum, on the first devices."""
+                       exchange=None, tx=None, train_batches=None, **options):
+  """A LayUp runtime (or a baseline's: `exchange`, the factory of its `Exchange`) on the digits
+  data with SGD with momentum (or `tx`), on the first devices; `options` are `RuntimeOptions`
+  fields."""
   import jax
   import optax
 
+  from layup_jax.algorithms.layup import LayUp
   from layup_jax.data import digits
   from layup_jax.data.pipeline import Batch, TrainIterator
-  from layup_jax.runtime import LayUpRuntime
+  from layup_jax.options import RuntimeOptions
+  from layup_jax.runtime import AsyncRuntime
 
   model = model or mlp_model()
   train, _ = digits.load_digits(0.2)
-  iterators = [TrainIterator(train, num_devices, i, batch_size, seed) for i in range(num_devices)]
+  iterators = train_batches or [TrainIterator(train, num_devices, i, batch_size, seed)
+                                for i in range(num_devices)]
   example = Batch(train.inputs[:batch_size], train.targets[:batch_size])
   params, state = model.init(jax.random.key(seed), example.inputs)
-  tx = optax.sgd(learning_rate, momentum=0.9)
-  runtime_class = runtime_class or LayUpRuntime
-  return runtime_class(model, tx, jax.devices()[:num_devices], iterators, params, state, example,
-                       seed=seed, **runtime_kwargs)
+  tx = tx or optax.sgd(learning_rate, momentum=0.9)
+  return AsyncRuntime(model, tx, jax.devices()[:num_devices], iterators, params, state, example,
+                      exchange or LayUp, RuntimeOptions(seed=seed, **options))
 
 
 class Hidden(nn.Module):

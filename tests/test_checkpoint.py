@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from layup_jax import checkpointing, pushsum, remap, runner
-from layup_jax.algorithms.periodic import PeriodicAveragingRuntime
+from layup_jax.algorithms.periodic import make_exchange
 from layup_jax.checkpointing import Checkpoints
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import ConfigError, NonFiniteError, StorageError
@@ -91,14 +91,14 @@ def test_layup_resumes_with_the_replicas_opt_states_and_weights_it_saved(tmp_pat
   arrays, meta = fresh.state_dict()
   _assert_trees_equal(_host(arrays), saved)
   assert meta["weights"] == saved_meta["weights"] and meta["iterations"] == saved_meta["iterations"]
-  assert fresh.weight_sum() == pytest.approx(1.0, abs=1e-12)
+  assert fresh.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
   for replica in fresh.replicas:  # every replica back on its own device
     assert {d for leaf in jax.tree.leaves(replica.params) for d in leaf.devices()} == {
         replica.device}
   fresh.compile()
   fresh.run_until(fresh.iterations_done() + 8, lambda done: None)
   assert fresh.iterations_done() == 4 * 12 + 8
-  assert fresh.weight_sum() == pytest.approx(1.0, abs=1e-9)
+  assert fresh.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
   fresh.close()
 
 
@@ -118,30 +118,34 @@ def test_a_changed_device_count_keeps_the_consensus_model(tmp_path, new_devices)
 
   fresh = make_layup_runtime(new_devices)
   _save_and_restore(runtime, fresh, tmp_path / "checkpoints")
-  got = _consensus([r.params for r in fresh.replicas], fresh.weights.values)
+  got = _consensus([r.params for r in fresh.replicas], fresh.store.weights.values)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  assert fresh.weight_sum() == pytest.approx(1.0, abs=1e-12)
+  assert fresh.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
   assert [r.iteration for r in fresh.replicas] == [3] * new_devices  # each device's step counter
   fresh.iterate_serial(0)  # and it trains on
 
 
-def test_remap_preserves_mass_and_weight_sum():
-  replicas = [{"w": np.full(3, float(i), np.float32), "count": np.int32(i)} for i in range(5)]
-  weights = [0.1, 0.3, 0.2, 0.25, 0.15]
-  mass = sum(w * r["w"] for w, r in zip(weights, replicas))
+def test_remap_preserves_each_stages_mass_and_weight_sum():
+  # Two stages whose push-sum weights differ (per-stage push-sum).
+  replicas = [{"params": [np.full(3, float(i), np.float32), np.full(2, -2.0 * i, np.float32)],
+               "opt_state": [np.int32(i), np.int32(2 * i)]} for i in range(5)]
+  weights = [[0.1, 0.3], [0.3, 0.1], [0.2, 0.2], [0.25, 0.05], [0.15, 0.35]]
+
+  def masses(replicas, weights):
+    return [sum(w[s] * r["params"][s] for w, r in zip(weights, replicas)) for s in range(2)]
+
   for m in (1, 2, 5, 7, 10):
     new, new_weights, source = remap.remap_replicas(replicas, weights, m)
     assert len(new) == len(new_weights) == len(source) == m
-    assert sum(new_weights) == pytest.approx(1.0)
-    np.testing.assert_allclose(sum(w * r["w"] for w, r in zip(new_weights, new)), mass,
-                               rtol=1e-6)
+    assert [sum(w[s] for w in new_weights) for s in range(2)] == pytest.approx([1.0, 1.0])
+    for got, want in zip(masses(new, new_weights), masses(replicas, weights)):
+      np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def _co2():
-  return make_layup_runtime(4, model=plain_mlp(), runtime_class=PeriodicAveragingRuntime,
-                            tau=2, out_freq=4, lag=1,
-                            outer_tx=optax.sgd(0.5, momentum=0.5))
+  return make_layup_runtime(4, model=plain_mlp(), exchange=make_exchange(
+      tau=2, out_freq=4, lag=1, outer_tx=optax.sgd(0.5, momentum=0.5)))
 
 
 def test_co2_resumed_mid_period_continues_exactly(tmp_path):
@@ -216,7 +220,7 @@ def test_an_injected_nan_stops_the_run_naming_device_stage_and_step():
 
 
 def test_skipping_non_finite_steps_keeps_every_replica_finite():
-  runtime = make_layup_runtime(4, model=mlp_model(), nonfinite_policy="skip")
+  runtime = make_layup_runtime(4, model=mlp_model(), nonfinite="skip")
   runtime._train_batches[2] = _NaNAfter(runtime._train_batches[2], after=5)
   runtime.compile()
   runtime.run_until(4 * 20, lambda done: None)

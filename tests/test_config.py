@@ -16,6 +16,8 @@ from layup_jax.config_validation import ConfigError, validate_config
     ("algorithm", "sync", r"config.algorithm='sync': must be one of \['adpsgd', 'co2', 'ddp'"),
     ("layup.bn_policy", "skip", r"config.layup.bn_policy='skip'"),
     ("straggler.device", 8, r"config.straggler.device=8: must name one of the 8"),
+    ("straggler.mode", "gpu", r"config.straggler.mode='gpu': must be one of \['host'"),
+    ("layup.push_sum", "exact", r"config.layup.push_sum='exact': must be one of \['per_stage'"),
 ])
 def test_impossible_values_name_their_key(tiny_config, key, value, message):
   section, _, name = key.rpartition(".")

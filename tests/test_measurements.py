@@ -12,7 +12,7 @@ from layup_jax import flops, measurements, models, runner, stages
 from layup_jax.algorithms import ddp
 from layup_jax.data.pipeline import Batch
 from layup_jax.metrics import read_metrics
-from layup_jax.runtime import local_update
+from layup_jax.replicas import local_update
 from tests.helpers import make_layup_runtime, plain_mlp
 
 RECORDS = [

@@ -1,6 +1,5 @@
 """The paper's models as staged Flax models: counts, gradients, LayUp and DDP steps, tying."""
 
-import math
 
 import chex
 import jax
@@ -11,9 +10,11 @@ import pytest
 from configs import base
 from layup_jax import models, stages
 from layup_jax.algorithms.ddp import DDPRuntime
+from layup_jax.algorithms.layup import LayUp
 from layup_jax.data.pipeline import Batch
 from layup_jax.models import __main__ as summary
-from layup_jax.runtime import LayUpRuntime
+from layup_jax.options import RuntimeOptions
+from layup_jax.runtime import AsyncRuntime
 
 PUBLISHED = {"resnet18": 11.69e6, "resnet50": 25.56e6, "gpt2": 124e6, "gpt2-medium": 355e6,
              "gpt2-large": 774e6, "gpt2-xl": 1558e6}
@@ -93,12 +94,13 @@ def test_one_layup_and_one_ddp_step_on_four_devices(config):
   devices = jax.devices()[:4]
   tx = optax.sgd(0.1)
 
-  layup = LayUpRuntime(model, tx, devices, _iterators(config, 4), params, state, example, seed=0)
+  layup = AsyncRuntime(model, tx, devices, _iterators(config, 4), params, state, example, LayUp,
+                       RuntimeOptions())
   layup.compile()
   layup.run_until(4, lambda _: None)
   layup.close()
   assert layup.iterations_done() == 4 and np.isfinite(layup.train_loss())
-  assert layup.weight_sum() == pytest.approx(1.0)
+  assert layup.weight_sums() == pytest.approx([1.0] * model.num_stages, abs=1e-12)
   moved = [not np.allclose(a, b) for a, b in zip(
       jax.tree.leaves(jax.device_get(layup.stage_params(0))), jax.tree.leaves(params))]
   assert any(moved)
@@ -139,8 +141,9 @@ def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
 
   # After LayUp iterations each replica holds the matrix once, in stage 0, with stages stored
   # packed (the consumer cuts it out of stage 0's vector) or as pytrees, and both agree.
-  runtimes = [LayUpRuntime(model, optax.sgd(0.1), jax.devices()[:2], _iterators(config, 2),
-                           params, state, batch, seed=0, pack_stages=pack) for pack in (True, False)]
+  runtimes = [AsyncRuntime(model, optax.sgd(0.1), jax.devices()[:2], _iterators(config, 2),
+                           params, state, batch, LayUp, RuntimeOptions(pack_stages=pack))
+              for pack in (True, False)]
   for runtime in runtimes:
     runtime.iterate_serial(0, 1)
     runtime.iterate_serial(1, 0)
@@ -149,7 +152,7 @@ def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
       shapes = [leaf.shape for stage in stage_params for leaf in jax.tree.leaves(stage)]
       assert shapes.count(wte_shape) == 1
       assert stage_params[0]["wte"]["embedding"].shape == wte_shape
-    assert math.isclose(runtime.weight_sum(), 1.0)
+    assert runtime.weight_sums() == pytest.approx([1.0] * model.num_stages, abs=1e-12)
   for i in range(2):
     chex.assert_trees_all_close(runtimes[0].stage_params(i), runtimes[1].stage_params(i),
                                 atol=1e-6, rtol=1e-5)

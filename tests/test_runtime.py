@@ -1,4 +1,5 @@
-"""The LayUp runtime: Algorithm 1's bookkeeping in the serial mode, its threads' behaviour."""
+"""The asynchronous runtime: Algorithm 1's invariants in the serial mode and, as it really runs,
+with its threads: no write lost, exact push-sum per stage, no device waiting on another's work."""
 
 import gc
 import threading
@@ -11,39 +12,50 @@ import numpy as np
 import optax
 import pytest
 
-from layup_jax import pushsum, straggler
+from configs import base
+from layup_jax import optim, pushsum, straggler, transfer
+from layup_jax.algorithms.gossip import GoSGD
+from layup_jax.algorithms.periodic import make_exchange
 from layup_jax.data import EvalSet, digits
 from layup_jax.evaluation import Evaluator
-from layup_jax import transfer
-from layup_jax.algorithms.periodic import PeriodicAveragingRuntime
-from layup_jax.runtime import WorkerError, local_update
+from layup_jax.replicas import local_update
+from layup_jax.runtime import WorkerError
 from tests.helpers import make_layup_runtime, mlp_model
+
+EXCHANGES = {"layup": None, "gosgd": GoSGD}
 
 
 def _perturb_replicas(runtime, scale=0.5):
-  """Gives every replica different parameters, as after some local steps."""
-  for i, replica in enumerate(runtime.replicas):
+  """Gives every replica different parameters, as after some local steps, through the
+  runtime's own state_dict and load_state_dict."""
+  arrays, meta = runtime.state_dict()
+  for i, replica in enumerate(arrays["replicas"]):
     rng = np.random.default_rng(100 + i)
-    noise = lambda p, rng=rng, device=replica.device: jax.device_put(
-        scale * rng.normal(size=p.shape).astype(np.float32), device)
-    replica.params = [jax.tree.map(lambda p, noise=noise: p + noise(p), stage)
-                      for stage in replica.params]
+    replica["params"] = [jax.tree.map(lambda p, rng=rng: np.asarray(p) + scale * rng.normal(
+        size=p.shape).astype(np.float32), stage) for stage in replica["params"]]
+  runtime.load_state_dict(arrays, meta)
 
 
-def _mass(runtime):
-  """sum_i w_i x_i, the quantity a push-sum send conserves."""
-  weights = jnp.asarray(runtime.weights.values)
-  params = jax.device_put([r.params for r in runtime.replicas], jax.devices()[0])
-  return pushsum.consensus(params, weights)
+def _host_params(runtime):
+  return [jax.device_get(list(r.params)) for r in runtime.replicas]
 
 
-def test_replicas_are_committed_one_pytree_per_stage_to_their_devices():
+def _average(runtime):
+  """The push-sum average, stage by stage: sum_i w_{i,s} x_{i,s} / sum_i w_{i,s}."""
+  return pushsum.consensus(_host_params(runtime), np.asarray(runtime.store.weights.values))
+
+
+def _relative_distance(a, b) -> float:
+  return float(optax.tree.norm(optax.tree.sub(a, b)) / optax.tree.norm(b))
+
+
+def test_replicas_are_committed_one_array_per_stage_to_their_devices():
   runtime = make_layup_runtime(4)
   for replica, device in zip(runtime.replicas, jax.devices()[:4]):
     assert len(replica.params) == len(replica.opt_state) == runtime.num_stages == 3
     chex.assert_tree_is_on_device((replica.params, replica.state, replica.opt_state),
                                   device=device)
-  assert runtime.weights.values == [0.25] * 4
+  assert runtime.store.weights.values == [[0.25] * 3] * 4
 
 
 def test_packed_stages_train_exactly_as_pytree_stages():
@@ -60,36 +72,219 @@ def test_packed_stages_train_exactly_as_pytree_stages():
                                 atol=1e-6)
     chex.assert_trees_all_close(packed.stage_state(i), plain.stage_state(i), rtol=1e-5,
                                 atol=1e-6)
-  assert packed.weights.values == plain.weights.values
+  assert packed.store.weights.values == plain.store.weights.values
 
 
-def test_scripted_peer_sequence_keeps_the_weight_sum_at_one():
-  runtime = make_layup_runtime(4)
+@pytest.mark.parametrize("push_sum", ["per_stage", "per_model"])
+def test_scripted_peer_sequence_moves_the_weights_as_push_sum_and_keeps_their_sums(push_sum):
+  runtime = make_layup_runtime(4, push_sum=push_sum)
   script = [(0, 1), (1, 2), (2, 0), (3, 0), (0, 3), (1, 0), (2, 1), (3, 2)]
-  expected = pushsum.PushSumWeights(4)
+  expected = pushsum.PushSumWeights(4, 1)  # every stage moves as one weight would
   for device, peer in script:
     runtime.iterate_serial(device, peer)
-    expected.receive(peer, expected.send(device))
-    assert runtime.weight_sum() == pytest.approx(1.0, abs=1e-12)
-  assert runtime.weights.values == expected.values
+    expected.add(peer, 0, expected.halve(device, 0))
+    assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+  assert runtime.store.weights.values == [row * 3 for row in expected.values]
 
 
-def test_with_learning_rate_zero_gossip_alone_reaches_consensus_and_keeps_the_average():
-  runtime = make_layup_runtime(8, learning_rate=0.0)
+@pytest.mark.parametrize("algorithm", ["layup", "gosgd"])
+def test_with_learning_rate_zero_serial_gossip_reaches_consensus_and_keeps_the_average(
+    algorithm):
+  runtime = make_layup_runtime(8, learning_rate=0.0, exchange=EXCHANGES[algorithm])
   _perturb_replicas(runtime)
-  start = _mass(runtime)
-  params = lambda: [r.params for r in runtime.replicas]
-  first_distance = float(pushsum.consensus_distance(
-      jax.device_put(params(), jax.devices()[0]), start))
-  assert first_distance > 1e-2
+  start = _average(runtime)
+  assert float(pushsum.consensus_distance(_host_params(runtime), start)) > 1e-2
   rng = np.random.default_rng(0)
   for _ in range(60):
     for device in rng.permutation(8):
-      runtime.iterate_serial(int(device), runtime._pick_peer(int(device)))
-  center = _mass(runtime)
-  distance = pushsum.consensus_distance(jax.device_put(params(), jax.devices()[0]), center)
-  assert float(distance) < 1e-6
-  chex.assert_trees_all_close(center, start, atol=1e-5)
+      runtime.iterate_serial(int(device))
+  center = _average(runtime)
+  assert float(pushsum.consensus_distance(_host_params(runtime), center)) < 1e-6
+  assert _relative_distance(center, start) < 1e-6
+
+
+@pytest.mark.parametrize("algorithm", ["layup", "gosgd"])
+def test_threaded_gossip_keeps_the_push_sum_average_of_every_stage(algorithm):
+  # Learning rate 0, distinct replicas, 8 devices x 300 iterations with their threads: only
+  # gossip moves the replicas, and push-sum must keep each stage's weighted average.
+  runtime = make_layup_runtime(8, learning_rate=0.0, exchange=EXCHANGES[algorithm])
+  _perturb_replicas(runtime)
+  start = _average(runtime)
+  spread = float(pushsum.consensus_distance(_host_params(runtime), start))
+  runtime.compile()
+  runtime.run_until(8 * 300, lambda _: None)
+  runtime.close()
+  assert min(runtime.iterations_per_device()) > 0 and runtime.iterations_done() == 2400
+  assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+  center = _average(runtime)
+  assert _relative_distance(center, start) < 1e-5
+  assert float(pushsum.consensus_distance(_host_params(runtime), center)) < 1e-3 * spread
+
+
+class _Lineage:
+  """Counts writes of a stage that replace a version other than the one they were computed
+  from: a write computed from version v, stored after another thread stored v', loses v'.
+
+  Wraps the store's update and merge functions to remember which params each new version was
+  computed from, and each replica's params list to check, at every store, that the version it
+  replaces is that one."""
+
+  def __init__(self, store):
+    self.derived = {}  # id(new params) -> (new params, the params they were computed from)
+    self.writes = self.overwritten = 0
+    self.lock = threading.Lock()
+    update, merge = store.update, store.merge_fn
+
+    def remember(new, old):
+      with self.lock:
+        self.derived[id(new)] = (new, old)
+
+    def traced_update(params, *args):
+      out = update(params, *args)
+      remember(out[0], params)
+      return out
+
+    def traced_merge(receiver, *args):
+      out = merge(receiver, *args)
+      new, old = (out[0], receiver[0]) if isinstance(out, tuple) else (out, receiver)
+      remember(new, old)
+      return out
+
+    store.update, store.merge_fn = traced_update, traced_merge
+    lineage = self
+
+    class CheckedList(list):
+      def __setitem__(self, s, value):
+        with lineage.lock:
+          source = lineage.derived.pop(id(value), (None, None))[1]
+          if source is not None:
+            lineage.writes += 1
+            lineage.overwritten += source is not self[s]
+        super().__setitem__(s, value)
+
+    for replica in store.replicas:
+      replica.params = CheckedList(replica.params)
+
+
+def test_threaded_writes_never_overwrite_a_newer_version_of_a_stage():
+  runtime = make_layup_runtime(8)
+  lineage = _Lineage(runtime.store)
+  runtime.compile()
+  runtime.run_until(8 * 300, lambda _: None)
+  runtime.close()
+  # Every iteration's local step and merge of every stage was checked: 2 x 3 x 2400 writes.
+  assert lineage.writes == 2 * 3 * 2400
+  assert lineage.overwritten == 0
+  # The count does see a write computed from a version that was replaced meanwhile.
+  store = runtime.store
+  stale = store.replicas[0].params[1]
+  store.replicas[0].params[1] = store.merge_fn(stale, jnp.copy(stale), np.float32(0.5))
+  store.replicas[0].params[1] = store.merge_fn(stale, jnp.copy(stale), np.float32(0.5))
+  assert lineage.overwritten == 1
+
+
+class _GatedBatches:
+  """A device's batches, held back until `go` is set."""
+
+  def __init__(self, iterator, go: threading.Event):
+    self.iterator, self.go = iterator, go
+
+  def __next__(self):
+    assert self.go.wait(timeout=60)
+    return next(self.iterator)
+
+
+def test_a_device_does_not_wait_for_a_slow_peer_that_sends_to_it():
+  # Device 0's work is held back by a long program on its device; its iteration is dispatched
+  # behind it and it sends to device 1 (its only peer). Device 1's own next iteration must
+  # complete while device 0's program is still running: nothing of device 0's unfinished work
+  # may be queued on device 1.
+  from layup_jax.data.pipeline import TrainIterator
+
+  train, _ = digits.load_digits(0.2)
+  go = threading.Event()
+  batches = [TrainIterator(train, 2, 0, 8, 0),
+             _GatedBatches(TrainIterator(train, 2, 1, 8, 0), go)]
+  runtime = make_layup_runtime(2, train_batches=batches)
+  runtime.compile()
+  slow = straggler.DelayProgram(runtime.store.device(0))
+  slow.calibrate()
+  held_back = slow(6.0)
+  started = time.perf_counter()
+  runtime._budget.grant(2)  # device 0 takes one iteration, device 1 waits at its gate
+  runtime._start_threads()
+  deadline = time.perf_counter() + 5
+  while not (runtime.store.replicas[0].iteration == 1 and runtime._budget.started == 2):
+    assert time.perf_counter() < deadline
+    time.sleep(0.01)
+  time.sleep(0.5)  # device 0's updater has its gradients: had it sent them, they'd be queued
+  go.set()
+  while not runtime._losses[1]:  # device 1's loss is read once its forward pass has run
+    assert time.perf_counter() - started < 60
+    time.sleep(0.005)
+  params = runtime.store.params(1, runtime.num_stages - 1)
+  jax.block_until_ready(params)
+  assert not held_back.is_ready(), "device 1 waited for device 0's unfinished program"
+  runtime.run_until(2, lambda _: None)  # device 0's iteration and its sends complete
+  runtime.close()
+  assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+  assert runtime.store.weights.values[1] != [0.5] * 3  # device 0's stages reached device 1
+
+
+def test_no_device_trains_at_learning_rate_zero_before_the_run_ends():
+  # A straggler at delay 3 on 4 devices: the fast devices do most iterations. The schedule is
+  # driven by the run's global step, so every update of the run has a learning rate above 0
+  # and the straggler's last updates are at the end of the schedule too.
+  config = base.get_config().optimizer
+  config.schedule, config.learning_rate = "cosine", 0.05
+  num_steps = 30
+  tx = optim.make_optimizer(config, num_steps)
+  runtime = make_layup_runtime(4, tx=tx, straggler_device=0, straggler_delay_iters=3.0)
+  steps = {i: [] for i in range(4)}
+  update = runtime.store.update
+
+  def recording_update(params, opt_state, grads, step, *args):
+    device = next(iter(params.devices()))
+    steps[jax.devices().index(device)].append(step)
+    return update(params, opt_state, grads, step, *args)
+
+  runtime.compile()
+  runtime.store.update = recording_update
+  runtime.run_until(4 * num_steps, lambda _: None)
+  runtime.close()
+  schedule = optim.make_schedule(config, num_steps)
+  per_device = {i: [int(s) for s in device_steps] for i, device_steps in steps.items()}
+  iterations = runtime.iterations_per_device()
+  assert iterations[0] < 0.6 * min(iterations[1:])  # the straggler did fewer
+  # Counted per device, as an Optax count would, the fast devices went past the schedule's end.
+  assert max(iterations) > num_steps
+  for i, device_steps in per_device.items():
+    assert len(device_steps) == 3 * iterations[i]
+    assert min(float(schedule(s)) for s in device_steps) > 0, (i, device_steps)
+  assert max(max(s) for s in per_device.values()) == num_steps - 1
+  assert max(per_device[0]) >= num_steps - 6  # the straggler's last iteration: near the end
+
+
+def test_the_step_driven_optimizers_equal_optax_with_its_own_count():
+  params = {"w": jnp.arange(4.0), "b": jnp.ones(2)}
+  grads = {"w": jnp.array([0.5, -1.0, 2.0, 0.1]), "b": jnp.array([0.3, -0.2])}
+  for name in ("sgd", "adam", "adamw"):
+    config = base.get_config().optimizer
+    config.name, config.warmup_steps = name, 2
+    ours, schedule = optim.make_optimizer(config, 10), optim.make_schedule(config, 10)
+    theirs = {"sgd": optax.chain(optax.add_decayed_weights(config.weight_decay),
+                                 optax.sgd(schedule, momentum=config.momentum)),
+              "adam": optax.chain(optax.add_decayed_weights(config.weight_decay),
+                                  optax.adam(schedule)),
+              "adamw": optax.adamw(schedule, weight_decay=config.weight_decay)}[name]
+    p_ours, p_theirs = params, params
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    for step in range(5):
+      u_ours, s_ours = ours.update(grads, s_ours, p_ours, step=jnp.int32(step))
+      u_theirs, s_theirs = theirs.update(grads, s_theirs, p_theirs)
+      p_ours, p_theirs = optax.apply_updates(p_ours, u_ours), optax.apply_updates(p_theirs,
+                                                                                  u_theirs)
+    chex.assert_trees_all_close(p_ours, p_theirs, rtol=1e-6)
 
 
 @pytest.mark.parametrize("bn_policy", ["mix", "local"])
@@ -97,7 +292,7 @@ def test_batchnorm_policy_decides_whether_statistics_travel(bn_policy):
   runtime = make_layup_runtime(2, learning_rate=0.0, bn_policy=bn_policy)
   runtime.iterate_serial(1, None)  # device 1's statistics now differ from device 0's
   receiver_before = jax.device_get(runtime.stage_state(0)[0])
-  share = runtime.weights.receiver_share(0, runtime.weights.values[1] / 2)
+  share = runtime.store.weights.receiver_share(0, 0, runtime.store.weights.values[1][0] / 2)
   runtime.iterate_serial(1, 0)
   sender_after = jax.device_get(runtime.stage_state(1)[0])
   received = jax.device_get(runtime.stage_state(0)[0])
@@ -125,15 +320,12 @@ def test_threaded_layup_lowers_the_test_loss_and_stops_cleanly():
   after = _test_loss(runtime, evaluator)
   assert runtime.iterations_done() == 320 and progress[-1] == 320
   assert after < 0.5 * before
-  # Racing updaters may lose a store on a weight (lock-free, as in the paper): rare and small.
-  assert abs(runtime.weight_sum() - 1.0) < 0.05
+  assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)  # no weight is lost
   runtime.close()
   assert not [t for t in threading.enumerate() if t.name.startswith("layup-")]
 
 
 def _ddp_runtime(num_devices):
-  import optax
-
   from layup_jax.algorithms.ddp import DDPRuntime
   from layup_jax.data.pipeline import Batch, TrainIterator
 
@@ -170,14 +362,14 @@ def test_no_compilation_happens_inside_the_training_loop(algorithm):
 def test_an_exception_in_an_updater_thread_surfaces_with_its_device_and_stage():
   runtime = make_layup_runtime(4)
   runtime.compile()
-  update = runtime._update
+  update = runtime.store.update
 
   def failing_update(*args):
     if threading.current_thread().name == "layup-updater-2":
       raise FloatingPointError("injected")
     return update(*args)
 
-  runtime._update = failing_update
+  runtime.store.update = failing_update
   with pytest.raises(WorkerError, match=r"updater thread of device 2 failed at stage 2: "
                                         r"FloatingPointError: injected"):
     runtime.run_until(4 * 50, lambda _: None)
@@ -206,7 +398,7 @@ def test_without_gossip_each_device_trains_alone():
     for i in range(4):
       together.iterate_serial(i)
     alone.iterate_serial(1)
-  assert together.weights.values == [0.25] * 4
+  assert together.store.weights.values == [[0.25] * 3] * 4
   chex.assert_trees_all_equal(together.replicas[1].params, alone.replicas[1].params)
   assert not np.allclose(jax.tree.leaves(together.replicas[0].params)[0],
                          jax.tree.leaves(together.replicas[1].params)[0])
@@ -222,7 +414,7 @@ def test_one_scalar_per_iteration_names_the_first_non_finite_gradient():
   for iteration in ([good, good, bad, good, bad], [good, good, good], [bad, good]):
     so_far = jnp.int32(-1)
     for grads in iteration:
-      _, _, so_far = local_update(tx, params, tx.init(params), grads, so_far)
+      _, _, so_far = local_update(tx, params, tx.init(params), grads, jnp.int32(0), so_far)
     positions.append(int(so_far))
   assert positions == [2, -4, 0]
 
@@ -230,18 +422,20 @@ def test_one_scalar_per_iteration_names_the_first_non_finite_gradient():
 def test_an_updater_keeps_at_most_max_sends_in_flight_merges_not_yet_landed():
   runtime = make_layup_runtime(4, max_sends_in_flight=1)
   runtime.compile()
-  send, most = runtime._send_stage, [0]
+  most = [0]
+  for outbox in runtime.outboxes:
+    send = outbox._send
 
-  def counted_send(i, *args):
-    landed = send(i, *args)
-    most[0] = max(most[0], len(runtime._sends_in_flight[i]))
-    return landed
+    def counted_send(*args, send=send, outbox=outbox):
+      merged = send(*args)
+      most[0] = max(most[0], outbox.in_flight())
+      return merged
 
-  runtime._send_stage = counted_send
+    outbox._send = counted_send
   runtime.run_until(4 * 20, lambda _: None)
   runtime.close()
   assert most[0] == 1  # every send waited for the previous one to land
-  assert runtime.weight_sum() == pytest.approx(1.0, abs=0.05)
+  assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
 
 
 def _live_bytes(device) -> int:
@@ -282,14 +476,13 @@ def test_a_stage_sent_to_a_peer_arrives_as_an_exact_copy_on_that_device():
     chex.assert_trees_all_equal(jax.device_get(copied), jax.device_get(tree))
 
 
-@pytest.mark.parametrize("runtime_class", [None, PeriodicAveragingRuntime],
-                         ids=["layup", "local_sgd"])
-def test_run_until_returns_with_every_iterations_loss_recorded(runtime_class):
+@pytest.mark.parametrize("periodic", [False, True], ids=["layup", "local_sgd"])
+def test_run_until_returns_with_every_iterations_loss_recorded(periodic):
   # A consistent point includes the compute threads' bookkeeping: with two iterations
   # dispatched ahead, the last loss of each device is read before run_until returns (and a
   # device waiting at an averaging boundary reads its losses before it waits).
-  kwargs = {"tau": 3, "out_freq": 3, "outer_tx": None, "lag": 0} if runtime_class else {}
-  runtime = make_layup_runtime(4, max_dispatch_ahead=2, runtime_class=runtime_class, **kwargs)
+  exchange = make_exchange(tau=3, out_freq=3, outer_tx=None, lag=0) if periodic else None
+  runtime = make_layup_runtime(4, max_dispatch_ahead=2, exchange=exchange)
   runtime.compile()
   for steps in (5, 9):
     runtime.run_until(4 * steps, lambda _: None)
@@ -302,10 +495,10 @@ def test_a_delay_program_keeps_its_device_busy_without_blocking_the_caller():
   program = straggler.DelayProgram(device)
   program.calibrate()
   start = time.perf_counter()
-  done = program(1.0)
-  dispatched = time.perf_counter() - start
-  assert not done.is_ready() and dispatched < 0.5  # asynchronous: the caller goes on
+  done = program(2.0)
+  assert not done.is_ready()  # asynchronous: the caller goes on while the device works
   independent = jax.device_put(np.ones(3), device) + 1.0  # queued behind it on that device
   jax.block_until_ready(independent)
   assert done.is_ready()  # the device ran its programs in order
-  assert time.perf_counter() - start > 0.5  # and the delay was real device time
+  # The delay was real device time (a loose bound: the calibration ran on a shared machine).
+  assert time.perf_counter() - start > 0.5

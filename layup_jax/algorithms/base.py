@@ -41,7 +41,8 @@ class Runtime(Protocol):
   def train_loss(self) -> float:
     """Mean training loss since the previous call (NaN if none was recorded)."""
 
-  def weight_sum(self) -> float: ...
+  def weight_sums(self) -> list[float]:
+    """Per stage, the sum over devices of the push-sum weights (1 while none is lost)."""
 
   def iterations_per_device(self) -> list[int]:
     """Iterations each device has done (a straggler does fewer under LayUp)."""
@@ -77,18 +78,3 @@ def init_model(config: ml_collections.ConfigDict, model: StagedModel, example_ba
   if config.model.pretrained:
     params = models.load_pretrained(config.model, model, example_batch.inputs)
   return params, state
-
-
-def runtime_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The `LayUpRuntime` keyword arguments that LayUp and the baselines on its runtime all take
-  from the config."""
-  return {
-      "seed": config.seed,
-      "max_dispatch_ahead": config.layup.max_dispatch_ahead,
-      "straggler_device": config.straggler.device,
-      "straggler_delay_iters": config.straggler.delay_iters,
-      "straggler_mode": config.straggler.mode,
-      "nonfinite_policy": config.faults.nonfinite,
-      "pack_stages": config.layup.pack_stages,
-      "remat": config.layup.remat,
-  }

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from layup_jax import flops, nonfinite
 from layup_jax.algorithms.base import init_model
-from layup_jax.data import Dataset
+from layup_jax.data import Dataset, TrainStreams
 from layup_jax.errors import NonFiniteError
 from layup_jax.measurements import mean_or_nan
 from layup_jax.snapshot import Snapshot
@@ -38,7 +38,8 @@ def train_step(model: StagedModel, tx: optax.GradientTransformation, params, sta
       params, state, inputs, targets, key, iteration
   )
   finite = jnp.stack([nonfinite.all_finite(stage_grads) for stage_grads in grads])
-  updates, new_opt_state = tx.update(grads, opt_state, params)
+  updates, new_opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params,
+                                                                     step=iteration)
   new = (optax.apply_updates(params, updates), new_state, new_opt_state)
   if skip_nonfinite:
     new = nonfinite.select(jnp.all(finite) & jnp.isfinite(loss), new, (params, state, opt_state))
@@ -130,15 +131,16 @@ class DDPRuntime:
     return self._steps_done * self.num_devices
 
   def snapshot(self) -> Snapshot:
-    return Snapshot(params=[list(self.params)], state=[list(self.state)], weights=[1.0],
-                    state_weights=[1.0])
+    ones = [[1.0] * len(self.params)]
+    return Snapshot(params=[list(self.params)], state=[list(self.state)], weights=ones,
+                    state_weights=ones)
 
   def train_loss(self) -> float:
     losses, self._losses = self._losses, []
     return mean_or_nan(losses)
 
-  def weight_sum(self) -> float:
-    return 1.0
+  def weight_sums(self) -> list[float]:
+    return [1.0] * len(self.params)
 
   def skipped_steps(self) -> int:
     return self._skipped
@@ -190,7 +192,7 @@ class DDPRuntime:
 
 def build(config: ml_collections.ConfigDict, model: StagedModel,
           tx: optax.GradientTransformation, devices: Sequence[jax.Device],
-          dataset: Dataset) -> DDPRuntime:
+          dataset: Dataset | TrainStreams) -> DDPRuntime:
   params, state = init_model(config, model, dataset.example_batch)
   delay = config.straggler.delay_iters if config.straggler.device >= 0 else 0.0
   return DDPRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,

@@ -1,4 +1,4 @@
-"""Periodic-averaging baselines on LayUp's runtime: Local SGD, SlowMo, CO2 and DiLoCo.
+"""Periodic-averaging baselines on the asynchronous runtime: Local SGD, SlowMo, CO2, DiLoCo.
 
 Every device takes local (inner) optimizer steps on its own shard. Every `tau` of its
 iterations it reaches a period boundary; when all devices have reached boundary t, the exact
@@ -26,6 +26,7 @@ whenever every started iteration has finished the runtime is at a consistent poi
 checkpoint holds the contributions of periods not yet averaged.
 """
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,10 +35,13 @@ import ml_collections
 import optax
 
 from layup_jax import collectives
-from layup_jax.algorithms.base import init_model, runtime_options
-from layup_jax.data import Dataset
+from layup_jax.algorithms.base import init_model
+from layup_jax.data import Dataset, TrainStreams
 from layup_jax.errors import ConfigError
-from layup_jax.runtime import PICK, LayUpRuntime, PeriodSync, device_arrays_like
+from layup_jax.exchange import Links, StatelessExchange
+from layup_jax.options import RuntimeOptions
+from layup_jax.replicas import device_arrays_like
+from layup_jax.runtime import AsyncRuntime, PeriodSync
 from layup_jax.stages import StagedModel
 
 PyTree = Any
@@ -55,27 +59,29 @@ def sync_step(stacked_params, stacked_state, anchor, outer_state, *, like_params
   return optax.apply_updates(anchor, updates), outer_state, average_state
 
 
-class PeriodicAveragingRuntime(LayUpRuntime):
+class PeriodicAveraging(StatelessExchange):
   """Local steps, then exact global averages every `tau` iterations (see the module doc)."""
 
-  def __init__(self, *args, tau: int, out_freq: int,
-               outer_tx: optax.GradientTransformation | None, lag: int, **kwargs):
-    super().__init__(*args, **kwargs)
+  def __init__(self, links: Links, *, tau: int, out_freq: int,
+               outer_tx: optax.GradientTransformation | None, lag: int):
+    super().__init__(links)
     if tau < 1 or out_freq % tau:
       raise ValueError(f"out_freq={out_freq} must be a positive multiple of tau={tau}")
     self.tau, self.out_freq, self.lag = tau, out_freq, lag
-    self._mesh = collectives.DeviceMesh([r.device for r in self.replicas])
-    self._sync = PeriodSync(self.num_devices, self._average, self._stop)
+    store = self.store
+    self.num_devices, self.num_stages = store.num_devices, store.num_stages
+    self._mesh = collectives.DeviceMesh([r.device for r in store.replicas])
+    self._sync = PeriodSync(self.num_devices, self._average, links.stopped)
     self._finished = [0] * self.num_devices  # iterations whose updates device i has applied
     self._applied = [0] * self.num_devices  # boundaries whose reset device i has applied
     self._contributions: dict[int, list] = {}
-    first = self.replicas[0]
+    first = store.replicas[0]
     self._anchor = self._mesh.replicate(list(first.params))
     self._outer_tx = outer_tx
     self._outer_state = self._mesh.replicate(outer_tx.init(list(first.params))) if outer_tx \
         else ()
-    self._results = {0: ([list(r.params) for r in self.replicas],
-                         [list(r.state) for r in self.replicas])}
+    self._results = {0: ([list(r.params) for r in store.replicas],
+                         [list(r.state) for r in store.replicas])}
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                         (list(first.params), list(first.state)))
     out = (self._mesh.replicated,) * 3
@@ -87,9 +93,9 @@ class PeriodicAveragingRuntime(LayUpRuntime):
     }
 
   def compile(self) -> None:
-    super().compile()
-    params = self._mesh.stack([list(r.params) for r in self.replicas])
-    state = self._mesh.stack([list(r.state) for r in self.replicas])
+    replicas = self.store.replicas
+    params = self._mesh.stack([list(r.params) for r in replicas])
+    state = self._mesh.stack([list(r.state) for r in replicas])
     for step in self._sync_steps.values():
       jax.block_until_ready(step(params, state, self._anchor, self._outer_state))
 
@@ -115,23 +121,20 @@ class PeriodicAveragingRuntime(LayUpRuntime):
   def _reset(self, k: int, boundary: int, period: int) -> None:
     """Device k's model <- the models of `period`'s result, for boundary `boundary`."""
     params, state = self._results[period]
-    replica = self.replicas[k]
-    for s in range(self.num_stages):
-      replica.params[s] = params[k][s]
-      replica.state[s] = state[k][s]
+    self.store.reset(k, params[k], state[k])
     self._applied[k] = boundary
 
-  def _begin_iteration(self, i: int, peer: Any = PICK) -> Any:
+  def begin(self, i: int) -> None:
     return None
 
-  def _on_stage(self, i, context, s, grads) -> None:
-    self._local_step(i, s, grads)
+  def on_stage(self, i, context, s, grads, step) -> None:
+    self.store.local_step(i, s, grads, step)
 
-  def _end_iteration(self, i, context, finish, wait) -> None:
+  def end(self, i, context) -> None:
     finished = self._finished[i] + 1
     if finished % self.tau == 0:
       boundary = finished // self.tau
-      replica = self.replicas[i]
+      replica = self.store.replicas[i]
       self._contributions.setdefault(boundary, [None] * self.num_devices)[i] = (
           list(replica.params), list(replica.state))
       # The last device to arrive averages; with lag 0 it also resets every model.
@@ -140,16 +143,15 @@ class PeriodicAveragingRuntime(LayUpRuntime):
         self._reset(i, boundary, boundary - self.lag)
     self._finished[i] = finished  # after the reset: the compute thread may now reset instead
     self._sync.notify()
-    finish()
 
-  def _may_wait_before_iteration(self, i: int) -> bool:
-    k = self.replicas[i].iteration
+  def may_wait_before_iteration(self, i: int) -> bool:
+    k = self.store.replicas[i].iteration
     return bool(k) and k % self.tau == 0  # at a boundary: until the others arrive
 
-  def _before_iteration(self, i: int, wait: bool = True) -> None:
-    if not self._may_wait_before_iteration(i):
+  def before_iteration(self, i: int, wait: bool) -> None:
+    if not self.may_wait_before_iteration(i):
       return
-    k = self.replicas[i].iteration
+    k = self.store.replicas[i].iteration
     boundary = k // self.tau
     needed = boundary - self.lag
 
@@ -171,55 +173,56 @@ class PeriodicAveragingRuntime(LayUpRuntime):
     return {"params": list(params), "state": list(state)}
 
   def state_dict(self):
-    arrays, meta = super().state_dict()
     slots = [(p, k) for p, models in sorted(self._contributions.items())
              for k, model in enumerate(models) if model is not None]
     periods = sorted(self._results)
-    arrays.update(
-        anchor=self._anchor, outer_state=self._outer_state,
+    arrays = {
+        "anchor": self._anchor, "outer_state": self._outer_state,
         # Averages are replicated: one copy each (period 0's are the identical initial models).
-        results=[self._model_arrays(self._results[p][0][0], self._results[p][1][0])
-                 for p in periods],
-        contributions=[self._model_arrays(*self._contributions[p][k]) for p, k in slots],
-    )
-    meta.update(finished=list(self._finished), applied=list(self._applied),
-                periods_done=self._sync.done, result_periods=periods,
-                contribution_slots=[list(slot) for slot in slots])
+        "results": [self._model_arrays(self._results[p][0][0], self._results[p][1][0])
+                    for p in periods],
+        "contributions": [self._model_arrays(*self._contributions[p][k]) for p, k in slots],
+    }
+    meta = {"finished": list(self._finished), "applied": list(self._applied),
+            "periods_done": self._sync.done, "result_periods": periods,
+            "contribution_slots": [list(slot) for slot in slots]}
     return arrays, meta
 
+  def _check_resumable(self, meta, saved_devices: int) -> None:
+    finished = meta["finished"]
+    if saved_devices != self.num_devices and (meta["contribution_slots"]
+                                              or len(set(finished)) > 1):
+      raise ConfigError(
+          f"this checkpoint of a periodic-averaging algorithm was taken in the middle of an "
+          f"averaging period (devices at iterations {finished}); resume it on "
+          f"{saved_devices} devices")
+
   def restore_template(self, meta):
-    template = super().restore_template(meta)
-    first = self.replicas[0]
-    model = self._model_arrays(first.params, first.state)
+    self._check_resumable(meta, len(meta["finished"]))
+    replicas = self.store.replicas
+    model = self._model_arrays(replicas[0].params, replicas[0].state)
     like = lambda tree: jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-    template.update(
-        anchor=like(self._anchor), outer_state=like(self._outer_state),
-        results=device_arrays_like(model, lambda j: first.device, len(meta["result_periods"])),
-        contributions=[device_arrays_like(model, lambda j, k=k: self.replicas[
+    return {
+        "anchor": like(self._anchor), "outer_state": like(self._outer_state),
+        "results": device_arrays_like(model, lambda j: replicas[0].device,
+                                      len(meta["result_periods"])),
+        "contributions": [device_arrays_like(model, lambda j, k=k: replicas[
             k % self.num_devices].device, 1)[0] for _, k in meta["contribution_slots"]],
-    )
-    return template
+    }
 
-  def load_state_dict(self, arrays, meta) -> None:
-    finished = meta["finished"]
-    if meta["num_devices"] != self.num_devices and (meta["contribution_slots"]
-                                                   or len(set(finished)) > 1):
-      raise ConfigError(
-          f"this {type(self).__name__} checkpoint was taken in the middle of an averaging period "
-          f"(devices at iterations {finished}); resume it on {meta['num_devices']} devices")
-    super().load_state_dict(arrays, meta)
-    count = self.num_devices
-    if meta["num_devices"] != count:
-      finished = [finished[0]] * count
-    self._finished = list(finished)
-    self._applied = (list(meta["applied"]) if meta["num_devices"] == count
-                     else [meta["applied"][0]] * count)
+  def load_state_dict(self, arrays, meta, saved_devices: int) -> None:
+    self._check_resumable(meta, saved_devices)
+    finished, count = meta["finished"], self.num_devices
+    same = saved_devices == count
+    self._finished = list(finished) if same else [finished[0]] * count
+    self._applied = list(meta["applied"]) if same else [meta["applied"][0]] * count
+    replicas = self.store.replicas
     self._anchor = jax.device_put(arrays["anchor"], self._mesh.replicated)
     self._outer_state = jax.device_put(arrays["outer_state"], self._mesh.replicated)
     self._results = {
-        p: ([jax.device_put(model["params"], r.device) for r in self.replicas],
-            [jax.device_put(model["state"], r.device) for r in self.replicas])
+        p: ([jax.device_put(model["params"], r.device) for r in replicas],
+            [jax.device_put(model["state"], r.device) for r in replicas])
         for p, model in zip(meta["result_periods"], arrays["results"])}
     self._contributions = {}
     for (p, k), model in zip(meta["contribution_slots"], arrays["contributions"]):
@@ -241,13 +244,19 @@ def _outer_tx(config: ml_collections.ConfigDict) -> optax.GradientTransformation
   }[config.algorithm]
 
 
+def make_exchange(*, tau: int, out_freq: int, outer_tx: optax.GradientTransformation | None,
+                  lag: int):
+  """The exchange factory `AsyncRuntime` takes, for one periodic-averaging algorithm."""
+  return functools.partial(PeriodicAveraging, tau=tau, out_freq=out_freq, outer_tx=outer_tx,
+                           lag=lag)
+
+
 def build(config: ml_collections.ConfigDict, model: StagedModel,
           tx: optax.GradientTransformation, devices: Sequence[jax.Device],
-          dataset: Dataset) -> PeriodicAveragingRuntime:
+          dataset: Dataset | TrainStreams) -> AsyncRuntime:
   params, state = init_model(config, model, dataset.example_batch)
-  return PeriodicAveragingRuntime(
-      model, tx, devices, dataset.train, params, state, dataset.example_batch,
-      bn_policy="mix", **runtime_options(config), tau=config.baselines.tau,
-      out_freq=config.baselines.out_freq, outer_tx=_outer_tx(config),
-      lag=1 if config.algorithm == "co2" else 0,
-  )
+  options = RuntimeOptions.from_config(config).replace(bn_policy="mix")
+  exchange = make_exchange(tau=config.baselines.tau, out_freq=config.baselines.out_freq,
+                           outer_tx=_outer_tx(config), lag=1 if config.algorithm == "co2" else 0)
+  return AsyncRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,
+                      exchange, options)

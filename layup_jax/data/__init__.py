@@ -13,7 +13,7 @@
 """
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import ml_collections
 import numpy as np
@@ -54,6 +54,15 @@ class Dataset:
   def close(self) -> None:
     for iterator in self.train:
       iterator.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStreams:
+  """What a runtime trains on: one batch iterator per device and an example batch (a `Dataset`
+  has both; benchmarks build this from random batches of a real shape)."""
+
+  train: list[Iterator[Batch]]
+  example_batch: Batch
 
 
 def _tfds_splits(config) -> tuple[str, str, str]:
@@ -173,6 +182,7 @@ __all__ = [
   "EvalSet",
   "Split",
   "TrainIterator",
+  "TrainStreams",
   "build_splits",
   "make_dataset",
   "names",

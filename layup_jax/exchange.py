@@ -1,0 +1,125 @@
+"""What an algorithm on the asynchronous runtime decides: what happens to a device's stages.
+
+The runtime (layup_jax/runtime.py) runs, per device, a compute thread (forward and backward)
+and an updater thread. For each iteration of device i the updater calls its algorithm's
+`Exchange`:
+
+  context = begin(i)                  when the iteration's first gradient arrives
+  on_stage(i, context, s, grads, step) as each stage's gradient arrives (last stage first)
+  end(i, context)                      after the last stage; the iteration is then done
+
+and the compute thread calls `before_iteration(i, wait)` before each iteration (where an
+algorithm makes a device wait for the others, at a period boundary). An exchange writes
+replicas only through the `ReplicaStore` and sends stages only through its devices'
+`Outbox`es; it holds no threads of its own.
+"""
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from layup_jax.options import RuntimeOptions
+from layup_jax.outbox import Outbox
+from layup_jax.replicas import ReplicaStore
+
+PyTree = Any
+
+
+class PeerSampler:
+  """Each device's peers: uniformly random among the other devices, from the device's own
+  seeded RNG (the paper's randomized gossip), unless a test scripted the next one."""
+
+  def __init__(self, num_devices: int, seed: int, gossip: bool = True):
+    self.num_devices, self.gossip = num_devices, gossip
+    self._rngs = [np.random.default_rng([seed, 1, i]) for i in range(num_devices)]
+    self._scripted: dict[int, int | None] = {}
+
+  def pick(self, i: int) -> int | None:
+    """Device i's next peer, or None when there is none (one device, or gossip off)."""
+    if i in self._scripted:
+      return self._scripted.pop(i)
+    if self.num_devices == 1 or not self.gossip:
+      return None
+    j = int(self._rngs[i].integers(self.num_devices - 1))
+    return j if j < i else j + 1
+
+  def script(self, i: int, peer: int | None) -> None:
+    """Makes `peer` device i's next pick (None: no peer)."""
+    self._scripted[i] = peer
+
+  def get_state(self) -> list:
+    return [g.bit_generator.state for g in self._rngs]
+
+  def set_state(self, states: list) -> None:
+    for rng, state in zip(self._rngs, states):
+      rng.bit_generator.state = state
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+  """What an exchange works with: the replicas, each device's outbox, the peer sampler, the
+  runtime's options, and `stopped()`, true once the runtime stops (for waits at a period)."""
+
+  store: ReplicaStore
+  outboxes: list[Outbox]
+  peers: PeerSampler
+  options: RuntimeOptions
+  stopped: Any
+
+
+class Exchange(Protocol):
+  """An algorithm's decisions per iteration (module docstring). `on_stage` returns the array
+  whose readiness marks the stage's update as landed (the merged stage on the peer, or the
+  local update), for the update-latency metric, or None when the stage is not timed."""
+
+  def begin(self, i: int) -> Any: ...
+
+  def on_stage(self, i: int, context: Any, s: int, grads: PyTree,
+               step: jax.Array) -> PyTree | None: ...
+
+  def end(self, i: int, context: Any) -> None: ...
+
+  def before_iteration(self, i: int, wait: bool) -> None:
+    """Called by compute thread i before it takes an iteration; `wait` is False in the serial
+    mode, where nothing may block."""
+
+  def may_wait_before_iteration(self, i: int) -> bool:
+    """Whether `before_iteration(i)` may block now (waiting for other devices)."""
+
+  def compile(self) -> None:
+    """Compiles the exchange's own functions (beyond the store's), on every device."""
+
+  def state_dict(self) -> tuple[dict, dict]:
+    """(device arrays, JSON-able metadata) of the exchange's own state."""
+
+  def restore_template(self, meta: dict) -> dict: ...
+
+  def load_state_dict(self, arrays: dict, meta: dict, saved_devices: int) -> None: ...
+
+
+class StatelessExchange:
+  """Defaults for an exchange that never waits before an iteration and keeps no state of its
+  own beyond the replicas."""
+
+  def __init__(self, links: Links):
+    self.links, self.store, self.peers = links, links.store, links.peers
+
+  def before_iteration(self, i: int, wait: bool) -> None:
+    pass
+
+  def may_wait_before_iteration(self, i: int) -> bool:
+    return False
+
+  def compile(self) -> None:
+    pass
+
+  def state_dict(self) -> tuple[dict, dict]:
+    return {}, {}
+
+  def restore_template(self, meta: dict) -> dict:
+    return {}
+
+  def load_state_dict(self, arrays: dict, meta: dict, saved_devices: int) -> None:
+    pass

@@ -1,0 +1,65 @@
+"""The options of the asynchronous runtime, as one typed object built from the config."""
+
+import dataclasses
+
+import ml_collections
+
+from layup_jax import nonfinite, stages, straggler
+
+BN_POLICIES = ("mix", "local")  # config.layup.bn_policy
+PUSH_SUM = ("per_stage", "per_model")  # config.layup.push_sum
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+  """How the threaded runtime trains (LayUp and the baselines built on it); configs/base.py
+  says what each key means."""
+
+  seed: int = 0
+  bn_policy: str = "mix"
+  push_sum: str = "per_stage"
+  gossip: bool = True
+  max_dispatch_ahead: int = 1
+  max_sends_in_flight: int = 0
+  pack_stages: bool = True
+  remat: str = "dots"
+  nonfinite: str = "stop"
+  latency_every: int = 0
+  straggler_device: int = -1
+  straggler_delay_iters: float = 0.0
+  straggler_mode: str = "host"
+
+  def __post_init__(self):
+    for name, choices in (("bn_policy", BN_POLICIES), ("push_sum", PUSH_SUM),
+                          ("remat", tuple(stages.REMAT_POLICIES)),
+                          ("nonfinite", nonfinite.POLICIES), ("straggler_mode", straggler.MODES)):
+      if getattr(self, name) not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+    if self.max_dispatch_ahead < 1:
+      raise ValueError(f"max_dispatch_ahead must be >= 1, got {self.max_dispatch_ahead}")
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "RuntimeOptions":
+    return cls(
+        seed=config.seed,
+        bn_policy=config.layup.bn_policy,
+        push_sum=config.layup.push_sum,
+        gossip=config.layup.gossip,
+        max_dispatch_ahead=config.layup.max_dispatch_ahead,
+        max_sends_in_flight=config.layup.max_sends_in_flight,
+        pack_stages=config.layup.pack_stages,
+        remat=config.layup.remat,
+        nonfinite=config.faults.nonfinite,
+        latency_every=config.metrics.latency_every,
+        straggler_device=config.straggler.device,
+        straggler_delay_iters=config.straggler.delay_iters,
+        straggler_mode=config.straggler.mode,
+    )
+
+  def replace(self, **changes) -> "RuntimeOptions":
+    return dataclasses.replace(self, **changes)
+
+  def delay_of(self, device_index: int) -> float:
+    """The straggler delay (in iterations) of one device: 0 for every device but the
+    straggler."""
+    return self.straggler_delay_iters if device_index == self.straggler_device else 0.0

@@ -1,0 +1,91 @@
+"""One device's sends of stages to peers (paper Algorithm 1: `send(x^{i,l}, j)`, peer update).
+
+A send takes stage s from the sender's replica together with the push-sum weight it carries
+(`ReplicaStore.take`), waits on the sender's updater thread until that version of the stage is
+computed on the sender's device, copies it to the peer's device and merges it there
+(`ReplicaStore.merge`). Waiting first is what keeps devices independent: a device runs its
+programs in the order they were dispatched, so a merge whose input were still being computed on
+the sender would hold up every program dispatched on the peer after it, and a slow device would
+stall each device it sends to. The wait is on the sender's own work and on its own thread; the
+peer's device only ever receives finished arrays, and the peer's threads never wait.
+
+Sends leave in the order they were posted. A posted stage goes as soon as it is computed: each
+`push` first sends the posted stages that are ready (without waiting), and `flush` waits for the
+rest, so the updater keeps applying the local steps of gradients that arrive meanwhile. With
+`max_in_flight`, at most that many merges the outbox dispatched may be uncomputed on peers
+before it waits for the oldest (that waits on a peer: the price of bounding what peers hold).
+"""
+
+import collections
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from layup_jax import transfer
+from layup_jax.replicas import ReplicaStore
+
+PyTree = Any
+
+
+def _is_ready(tree: PyTree) -> bool:
+  return all(leaf.is_ready() for leaf in jax.tree.leaves(tree))
+
+
+# A scalar computed from a merged stage: ready once the merge has run, and holding it (to wait
+# on a send) keeps no version of the peer's stage alive.
+_landed = jax.jit(lambda leaf: jnp.sum(leaf.ravel()[:1]))
+
+
+def compile_landed(store: ReplicaStore) -> list:
+  """Runs the landed-scalar function once per stage on every device (used with a bound)."""
+  return [_landed(jax.tree.leaves(store.params(j, s))[0])
+          for j in range(store.num_devices) for s in range(store.num_stages)]
+
+
+class Outbox:
+  """Device `sender`'s sends not yet made, and its merges not yet landed on peers."""
+
+  def __init__(self, store: ReplicaStore, sender: int, max_in_flight: int = 0):
+    self._store, self._sender = store, sender
+    self._pending: collections.deque = collections.deque()  # (peer, stage, part, amount, add)
+    self._in_flight: collections.deque = collections.deque()  # `_landed` scalars, oldest first
+    self.max_in_flight = max_in_flight or math.inf
+    self.synchronous = False  # send at once and return the merged stage (timed iterations)
+
+  def push(self, peer: int, s: int, amount: float | None = None) -> PyTree | None:
+    """Sends stage s to `peer`: with `amount` None, per-stage push-sum (w_{i,s} halved now,
+    the amount added to w_{j,s} by the merge); else Algorithm 1's per-model form (the weight
+    was halved for the whole model, and is added once every stage has gone). Returns the
+    merged stage when `synchronous`, else None."""
+    part, halved = self._store.take(self._sender, s, halve=amount is None)
+    self._pending.append((peer, s, part, halved if amount is None else amount, amount is None))
+    if self.synchronous:
+      merged = None
+      while self._pending:
+        merged = self._send(*self._pending.popleft())
+      return merged
+    while self._pending and _is_ready(self._pending[0][2]):
+      self._send(*self._pending.popleft())
+    return None
+
+  def flush(self) -> None:
+    """Sends every posted stage, waiting for each to be computed on the sender's device."""
+    while self._pending:
+      self._send(*self._pending.popleft())
+
+  def _send(self, peer: int, s: int, part: PyTree, amount: float, add_weight: bool) -> PyTree:
+    jax.block_until_ready(part)  # computed on our device: the peer never waits on our work
+    while self._in_flight and self._in_flight[0].is_ready():
+      self._in_flight.popleft()
+    while len(self._in_flight) >= self.max_in_flight:  # bounds what peers hold of ours
+      jax.block_until_ready(self._in_flight.popleft())
+    received = transfer.to_device(part, self._store.device(peer))
+    merged = self._store.merge(peer, s, received, amount, add_weight)
+    if self.max_in_flight < math.inf:
+      self._in_flight.append(_landed(jax.tree.leaves(merged)[0]))
+    return merged
+
+  def in_flight(self) -> int:
+    return len(self._in_flight)
