@@ -132,8 +132,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.metrics.target_accuracy = 0.0  # time to this test accuracy (TTA); 0 = not measured
   config.metrics.target_perplexity = 0.0  # language models: time to this test perplexity
   # Per-stage update latency (gradient computed -> merge landed on the peer) is timed on every
-  # `latency_every`-th iteration of each device (LayUp, GoSGD, AD-PSGD; two device waits in the
-  # updater on those iterations only); 0 = not measured.
+  # `latency_every`-th iteration of each device (LayUp: the updater waits for the gradient on
+  # its own device, a watcher thread for the landing); 0 = not measured.
   config.metrics.latency_every = 20
 
   config.progress_bar = True  # tqdm bar on stderr while training

@@ -18,6 +18,7 @@ before it waits for the oldest (that waits on a peer: the price of bounding what
 
 import collections
 import math
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -49,33 +50,32 @@ class Outbox:
 
   def __init__(self, store: ReplicaStore, sender: int, max_in_flight: int = 0):
     self._store, self._sender = store, sender
-    self._pending: collections.deque = collections.deque()  # (peer, stage, part, amount, add)
+    # Posted sends: (peer, stage, part, amount, whether the merge adds it, future or None).
+    self._pending: collections.deque = collections.deque()
     self._in_flight: collections.deque = collections.deque()  # `_landed` scalars, oldest first
     self.max_in_flight = max_in_flight or math.inf
-    self.synchronous = False  # send at once and return the merged stage (timed iterations)
+    self.watch = False  # whether `push` returns a future of the merged stage (timed iterations)
 
-  def push(self, peer: int, s: int, amount: float | None = None) -> PyTree | None:
+  def push(self, peer: int, s: int, amount: float | None = None) -> Future | None:
     """Sends stage s to `peer`: with `amount` None, per-stage push-sum (w_{i,s} halved now,
     the amount added to w_{j,s} by the merge); else Algorithm 1's per-model form (the weight
-    was halved for the whole model, and is added once every stage has gone). Returns the
-    merged stage when `synchronous`, else None."""
+    was halved for the whole model, and is added once every stage has gone). With `watch`,
+    returns a future of the merged stage (set once the send is made), else None."""
     part, halved = self._store.take(self._sender, s, halve=amount is None)
-    self._pending.append((peer, s, part, halved if amount is None else amount, amount is None))
-    if self.synchronous:
-      merged = None
-      while self._pending:
-        merged = self._send(*self._pending.popleft())
-      return merged
+    merged = Future() if self.watch else None
+    self._pending.append((peer, s, part, halved if amount is None else amount, amount is None,
+                          merged))
     while self._pending and _is_ready(self._pending[0][2]):
       self._send(*self._pending.popleft())
-    return None
+    return merged
 
   def flush(self) -> None:
     """Sends every posted stage, waiting for each to be computed on the sender's device."""
     while self._pending:
       self._send(*self._pending.popleft())
 
-  def _send(self, peer: int, s: int, part: PyTree, amount: float, add_weight: bool) -> PyTree:
+  def _send(self, peer: int, s: int, part: PyTree, amount: float, add_weight: bool,
+            watched: Future | None) -> None:
     jax.block_until_ready(part)  # computed on our device: the peer never waits on our work
     while self._in_flight and self._in_flight[0].is_ready():
       self._in_flight.popleft()
@@ -85,7 +85,8 @@ class Outbox:
     merged = self._store.merge(peer, s, received, amount, add_weight)
     if self.max_in_flight < math.inf:
       self._in_flight.append(_landed(jax.tree.leaves(merged)[0]))
-    return merged
+    if watched is not None:
+      watched.set_result(merged)
 
   def in_flight(self) -> int:
     return len(self._in_flight)

@@ -12,7 +12,12 @@ step at the iteration's start (which drives the learning-rate schedule).
 Updater thread i: per iteration `begin`, `on_stage` as each gradient arrives, `end`, then the
 iteration counts as finished. An updater never waits for another device's work (sends wait for
 the sender's own, layup_jax/outbox.py), except where an algorithm is synchronous by definition
-(AD-PSGD's pairwise average, a periodic average).
+(AD-PSGD's pairwise average, a periodic average) or a user bounds the sends in flight.
+
+Latency thread i (with `metrics.latency_every`): on every latency_every-th iteration of device
+i the updater waits for each stage's gradient (on its own device) and hands the watcher the
+stage's landing (the merge on the peer, or the local update); the watcher waits for it and
+records the time. The waiting on a peer's device happens off the updater's path.
 
 `iterate_serial` runs one whole iteration of one device on the calling thread: the
 deterministic mode for exact tests (scripted peers, fixed order). The threads and the serial mode
@@ -26,6 +31,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import jax
@@ -232,9 +239,11 @@ class AsyncRuntime:
                     for i, device in enumerate(devices)]
     self._losses: list[list[float]] = [[] for _ in devices]
     self._checks = [_Checks() for _ in devices]
-    # Every `latency_every`-th iteration of a device its updater times each stage from gradient
-    # ready to update landed (two waits on the device; 0 = never). Samples (stage, seconds).
+    # Every `latency_every`-th iteration of a device each stage is timed from gradient ready to
+    # update landed (0 = never): the updater hands (stage, start, landing) to its device's
+    # watcher thread, which records samples (stage, seconds).
     self._latencies: list[collections.deque] = [collections.deque() for _ in devices]
+    self._landings = [queue.Queue() for _ in devices]
     # Stage each thread is at, to name it when it fails: (role, device) -> stage index.
     self._position: dict[tuple[str, int], int | None] = {}
     self._grad_queues = [queue.Queue(maxsize=self.num_stages * options.max_dispatch_ahead)
@@ -271,7 +280,7 @@ class AsyncRuntime:
     """Updater i's part of one iteration: the exchange's begin, on_stage per gradient, end."""
     checks = self._checks[i]
     timed = bool(self.options.latency_every) and checks.applied % self.options.latency_every == 0
-    self.outboxes[i].synchronous = timed
+    self.outboxes[i].watch = timed
     context = None
     for count in range(self.num_stages):
       s, grads, step = next_gradient()
@@ -283,8 +292,7 @@ class AsyncRuntime:
         start = time.perf_counter()
       landed = self.exchange.on_stage(i, context, s, grads, step)
       if timed and landed is not None:
-        jax.block_until_ready(landed)
-        self._latencies[i].append((s, time.perf_counter() - start))
+        self._landings[i].put((s, start, landed))
     self.exchange.end(i, context)
     self._position["updater", i] = None
     closed = self.store.close_checks(i)
@@ -331,6 +339,8 @@ class AsyncRuntime:
     self._record_loss(i, iteration, float(loss))
     in_backward_order = iter([(s, *grads[s]) for s in reversed(range(self.num_stages))])
     self._apply_iteration(i, lambda: next(in_backward_order))
+    while not self._landings[i].empty():  # no watcher thread here: record on this one
+      self._record_landing(i, *self._landings[i].get())
     self._budget.finish()
     self._budget.record()
     self._check_finite(i)
@@ -424,6 +434,38 @@ class AsyncRuntime:
         continue
     raise _Stopped()
 
+  def _latency_loop(self, i: int) -> None:
+    """Waits for each timed stage to land (a future of a send not yet made, or an array) and
+    records its latency."""
+    while True:
+      try:
+        s, start, landed = self._landings[i].get(timeout=_POLL_S)
+      except queue.Empty:
+        if self._stop.is_set():
+          return
+        continue
+      self._record_landing(i, s, start, landed)
+
+  def _record_landing(self, i: int, s: int, start: float, landed: Any) -> None:
+    try:
+      while isinstance(landed, Future):
+        try:
+          landed = landed.result(timeout=_POLL_S)
+        except FutureTimeout:
+          if self._stop.is_set():
+            raise _Stopped() from None
+      jax.block_until_ready(landed)
+      self._latencies[i].append((s, time.perf_counter() - start))
+    finally:
+      self._landings[i].task_done()
+
+  def _landings_recorded(self) -> None:
+    """Waits until every watcher has recorded what it was handed (at a consistent point, every
+    landing has been handed over)."""
+    while any(q.unfinished_tasks for q in self._landings):
+      self._raise_if_failed()
+      time.sleep(0.001)
+
   def _updater_loop(self, i: int) -> None:
     while True:
       self._apply_iteration(i, lambda: self._next_gradient(i))
@@ -431,7 +473,10 @@ class AsyncRuntime:
       self._budget.finish()  # last: the main thread may now read this device
 
   def _start_threads(self) -> None:
-    for role, loop in (("compute", self._compute_loop), ("updater", self._updater_loop)):
+    loops = [("compute", self._compute_loop), ("updater", self._updater_loop)]
+    if self.options.latency_every:
+      loops.append(("latency", self._latency_loop))
+    for role, loop in loops:
       for i in range(self.num_devices):
         thread = threading.Thread(
             target=self._run_guarded, args=(role, i, loop), name=f"layup-{role}-{i}", daemon=True
@@ -470,6 +515,7 @@ class AsyncRuntime:
     self._raise_if_failed()
     for i in range(self.num_devices):  # every thread is idle: read the last flags
       self._check_finite(i)
+    self._landings_recorded()
     on_progress(self._budget.finished)
 
   def iterations_done(self) -> int:

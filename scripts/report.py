@@ -290,7 +290,7 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
     ratio = {(r["algorithm"], r["delay_iters"]): r["others_ratio_to_no_delay_median"]
              for r in bench["table"]}
     delays = [d for d in bench["args"]["delays"] if d]
-    lines += ["", "### Stragglers (`scripts/bench_straggler.py`)", "",
+    lines += ["", "### Stragglers on the host (`scripts/bench_straggler.py`)", "",
               (f"{bench['args']['num_devices']} devices, device {bench['args']['straggler']} "
                "delayed; throughput of the other devices against no delay (medians of "
                f"{bench['args']['repeats']} side-by-side repeats)."), "",
@@ -298,6 +298,23 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
     for delay in delays:
       cells = [f"{ratio[a, delay]:.2f}" if (a, delay) in ratio else "-" for a in ("layup", "ddp")]
       lines.append(f"| {delay:g} | {cells[0]} | {cells[1]} | {1 / (1 + delay):.2f} |")
+  lines += device_straggler_table(results)
+  path = results / "bench_pushsum.json"
+  if path.exists():
+    bench = json.loads(path.read_text())
+    args = bench["args"]
+    lines += ["", "### The push-sum average under threads (`scripts/bench_pushsum.py`)", "",
+              (f"Digits, {args['num_devices']} devices, {args['iterations']} threaded "
+               f"iterations each at learning rate 0, replicas made distinct (noise "
+               f"{args['noise']}): how far each stage's push-sum average moved (relative L2; "
+               f"median and largest of {args['repeats']} runs), the consensus distance after "
+               "over before, and the per-stage weight sums."), "",
+              ("| algorithm | layup.push_sum | average moved | largest | distance after / "
+               "before | weight sums |"), "|---|---|---|---|---|---|"]
+    for r in bench["table"]:
+      lines.append(f"| {r['algorithm']} | {r['push_sum']} | {r['average_moved_median']:.1e} | "
+                   f"{r['average_moved_max']:.1e} | {r['consensus_distance_ratio_median']:.1e} "
+                   f"| {r['weight_sum_min']:.12f} to {r['weight_sum_max']:.12f} |")
   path = results / "bench_memory.json"
   if path.exists():
     bench = json.loads(path.read_text())
@@ -319,6 +336,46 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
     lines = ["", "Measured: " + "; ".join(measured) + "."] + lines
   return (["", "## Benchmarks", "", ("Each script prints its table and writes the JSON read "
            "here; see the README for the commands.")] + lines) if lines else []
+
+
+def device_straggler_table(results: pathlib.Path) -> list[str]:
+  """The device-mode straggler benchmark, with the same run on the earlier runtime beside it
+  where `bench_straggler_device_before.json` holds one."""
+  path = results / "bench_straggler_device.json"
+  if not path.exists():
+    return []
+  runs = {"after": json.loads(path.read_text())}
+  before = results / "bench_straggler_device_before.json"
+  if before.exists():
+    runs["before"] = json.loads(before.read_text())
+  args = runs["after"]["args"]
+
+  def cell(label: str, algorithm: str, delay: float, key: str) -> str:
+    rows = [r for r in runs.get(label, {}).get("table", [])
+            if r["algorithm"] == algorithm and r["delay_iters"] == delay]
+    return f"{rows[0][key]:.2f}" if rows and rows[0][key] is not None else "-"
+
+  lines = ["", "### Stragglers on the device (`scripts/bench_straggler.py --mode device`)", "",
+           (f"{args['num_devices']} devices; device {args['straggler']}'s iterations carry a "
+            "delay program on its device while its thread goes on dispatching. Throughput of "
+            "the other devices against no delay (medians of "
+            f"{args['repeats']} side-by-side repeats); on these fake CPU devices the delay "
+            "program takes CPU from the others, which LayUp without gossip shows alone; "
+            "\"separated\" is LayUp's ratio over that one, repeat by repeat. \"before\": the "
+            "runtime that dispatched a merge before its input was computed (commit "
+            f"{runs.get('before', {}).get('code') or '-'})."), "",
+           ("| delay | LayUp | LayUp, no gossip | separated | DDP | 1/(1+delay) | before: "
+            "LayUp | before: separated |"), "|---|---|---|---|---|---|---|---|"]
+  for delay in [d for d in args["delays"] if d]:
+    lines.append(
+        f"| {delay:g} | {cell('after', 'layup', delay, 'others_ratio_to_no_delay_median')} | "
+        f"{cell('after', 'layup-nogossip', delay, 'others_ratio_to_no_delay_median')} | "
+        f"{cell('after', 'layup', delay, 'others_vs_no_gossip_median')} | "
+        f"{cell('after', 'ddp', delay, 'others_ratio_to_no_delay_median')} | "
+        f"{1 / (1 + delay):.2f} | "
+        f"{cell('before', 'layup', delay, 'others_ratio_to_no_delay_median')} | "
+        f"{cell('before', 'layup', delay, 'others_vs_no_gossip_median')} |")
+  return lines
 
 
 def render(sweeps: dict[str, dict], results: pathlib.Path, out: pathlib.Path) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from configs import base
 from layup_jax import optim, pushsum, straggler, transfer
-from layup_jax.algorithms.gossip import GoSGD
+from layup_jax.algorithms.gossip import ADPSGD, GoSGD
 from layup_jax.algorithms.periodic import make_exchange
 from layup_jax.data import EvalSet, digits
 from layup_jax.evaluation import Evaluator
@@ -22,7 +22,7 @@ from layup_jax.replicas import local_update
 from layup_jax.runtime import WorkerError
 from tests.helpers import make_layup_runtime, mlp_model
 
-EXCHANGES = {"layup": None, "gosgd": GoSGD}
+EXCHANGES = {"layup": None, "gosgd": GoSGD, "adpsgd": ADPSGD}
 
 
 def _perturb_replicas(runtime, scale=0.5):
@@ -376,11 +376,12 @@ def test_an_exception_in_an_updater_thread_surfaces_with_its_device_and_stage():
   assert not [t for t in threading.enumerate() if t.name.startswith("layup-") and t.is_alive()]
 
 
+@pytest.mark.parametrize("algorithm", ["layup", "gosgd", "adpsgd"])
 @pytest.mark.parametrize("mode", ["host", "device"])
-def test_a_straggler_does_fewer_iterations_than_the_others(mode):
+def test_a_straggler_does_fewer_iterations_than_the_others(mode, algorithm):
   # host: its compute thread idles; device: a delay program keeps its device busy.
   runtime = make_layup_runtime(4, straggler_device=0, straggler_delay_iters=3.0,
-                               straggler_mode=mode)
+                               straggler_mode=mode, exchange=EXCHANGES[algorithm])
   runtime.compile()
   runtime.run_until(4 * 60, lambda _: None)
   runtime.close()
