@@ -123,3 +123,14 @@ class StatelessExchange:
 
   def load_state_dict(self, arrays: dict, meta: dict, saved_devices: int) -> None:
     pass
+
+
+class LocalStepsExchange(StatelessExchange):
+  """An exchange whose stages only take local steps as their gradients arrive; what it does
+  with the whole model comes in `end` (GoSGD, AD-PSGD, the periodic baselines)."""
+
+  def begin(self, i: int) -> None:
+    return None
+
+  def on_stage(self, i: int, context: Any, s: int, grads: PyTree, step: jax.Array) -> None:
+    self.store.local_step(i, s, grads, step)

@@ -8,6 +8,15 @@ from layup_jax import nonfinite, stages, straggler
 
 BN_POLICIES = ("mix", "local")  # config.layup.bn_policy
 PUSH_SUM = ("per_stage", "per_model")  # config.layup.push_sum
+# Each option's key in the config.
+CONFIG_KEYS = {
+    "seed": "seed", "bn_policy": "layup.bn_policy", "push_sum": "layup.push_sum",
+    "gossip": "layup.gossip", "max_dispatch_ahead": "layup.max_dispatch_ahead",
+    "max_sends_in_flight": "layup.max_sends_in_flight", "pack_stages": "layup.pack_stages",
+    "remat": "layup.remat", "nonfinite": "faults.nonfinite",
+    "latency_every": "metrics.latency_every", "straggler_device": "straggler.device",
+    "straggler_delay_iters": "straggler.delay_iters", "straggler_mode": "straggler.mode",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,21 +49,13 @@ class RuntimeOptions:
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "RuntimeOptions":
-    return cls(
-        seed=config.seed,
-        bn_policy=config.layup.bn_policy,
-        push_sum=config.layup.push_sum,
-        gossip=config.layup.gossip,
-        max_dispatch_ahead=config.layup.max_dispatch_ahead,
-        max_sends_in_flight=config.layup.max_sends_in_flight,
-        pack_stages=config.layup.pack_stages,
-        remat=config.layup.remat,
-        nonfinite=config.faults.nonfinite,
-        latency_every=config.metrics.latency_every,
-        straggler_device=config.straggler.device,
-        straggler_delay_iters=config.straggler.delay_iters,
-        straggler_mode=config.straggler.mode,
-    )
+    def value(key: str):
+      section = config
+      for part in key.split("."):
+        section = section[part]
+      return section
+
+    return cls(**{name: value(key) for name, key in CONFIG_KEYS.items()})
 
   def replace(self, **changes) -> "RuntimeOptions":
     return dataclasses.replace(self, **changes)

@@ -27,6 +27,7 @@ import optax
 from configs import digits
 from layup_jax import algorithms, data, models, optim, provenance, pushsum
 
+# AD-PSGD averages pairs without push-sum weights: `layup.push_sum` does not apply to it.
 VARIANTS = [("layup", "per_stage"), ("layup", "per_model"), ("gosgd", "per_stage"),
             ("gosgd", "per_model"), ("adpsgd", "per_stage")]
 
@@ -101,7 +102,7 @@ def main() -> None:
     table.append(row)
     print(f"{algorithm:<10}{push_sum:<11}{row['average_moved_median']:>24.2e}"
           f"{row['average_moved_max']:>11.2e}{row['consensus_distance_ratio_median']:>23.2e}"
-          f"{row['weight_sum_min']:>13.12f}..{row['weight_sum_max']:.12f}")
+          f"{row['weight_sum_min']:>16.12f}..{row['weight_sum_max']:.12f}")
   print(f"({args.num_devices} devices, {args.iterations} iterations each, learning rate 0, "
         f"{args.repeats} repeats, {jax.devices()[0].device_kind})")
   with open(args.out, "w") as f:

@@ -312,7 +312,8 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
               ("| algorithm | layup.push_sum | average moved | largest | distance after / "
                "before | weight sums |"), "|---|---|---|---|---|---|"]
     for r in bench["table"]:
-      lines.append(f"| {r['algorithm']} | {r['push_sum']} | {r['average_moved_median']:.1e} | "
+      push_sum = r["push_sum"] if r["algorithm"] != "adpsgd" else "- (no weights)"
+      lines.append(f"| {r['algorithm']} | {push_sum} | {r['average_moved_median']:.1e} | "
                    f"{r['average_moved_max']:.1e} | {r['consensus_distance_ratio_median']:.1e} "
                    f"| {r['weight_sum_min']:.12f} to {r['weight_sum_max']:.12f} |")
   path = results / "bench_memory.json"

@@ -1,12 +1,15 @@
 """Bad configs fail at start with one line that names the key."""
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
+from configs import base
 from layup_jax import data
 from layup_jax.config_validation import ConfigError, validate_config
+from layup_jax.options import CONFIG_KEYS, RuntimeOptions
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -91,3 +94,15 @@ def test_the_cli_says_in_one_line_how_to_prepare_a_missing_dataset(tmp_path):
   assert len(lines) == 1, result.stderr
   assert lines[0].startswith(f"error: dataset 'cifar100' is not prepared in the data dir {tmp_path}")
   assert f"tfds build cifar100 --data_dir={tmp_path} --file_format=array_record" in lines[0]
+
+
+def test_runtime_options_are_built_from_the_config_keys():
+  config = base.get_config()
+  config.layup.push_sum, config.straggler.mode = "per_model", "device"
+  config.metrics.latency_every = 3
+  options = RuntimeOptions.from_config(config)
+  assert (options.push_sum, options.straggler_mode, options.latency_every) == (
+      "per_model", "device", 3)
+  assert set(CONFIG_KEYS) == {field.name for field in dataclasses.fields(RuntimeOptions)}
+  with pytest.raises(ValueError, match="push_sum must be one of"):
+    RuntimeOptions(push_sum="exact")

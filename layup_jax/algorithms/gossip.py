@@ -20,25 +20,25 @@ import optax
 
 from layup_jax.algorithms.base import init_model
 from layup_jax.data import Dataset, TrainStreams
-from layup_jax.exchange import StatelessExchange
+from layup_jax.exchange import LocalStepsExchange
 from layup_jax.options import RuntimeOptions
 from layup_jax.runtime import AsyncRuntime
 from layup_jax.stages import StagedModel
 
 
-class GoSGD(StatelessExchange):
-  """Local steps stage by stage; the whole model pushed to one peer after the last."""
-
-  def begin(self, i: int) -> None:
-    return None
-
-  def on_stage(self, i: int, context, s: int, grads, step: jax.Array) -> None:
-    self.store.local_step(i, s, grads, step)
+class _PeerExchange(LocalStepsExchange):
+  """Local steps stage by stage; after the last, the whole model exchanged with one peer."""
 
   def end(self, i: int, context) -> None:
     j = self.peers.pick(i)
-    if j is None:
-      return
+    if j is not None:
+      self.exchange_with(i, j)
+
+
+class GoSGD(_PeerExchange):
+  """The whole model pushed to the peer, stage by stage, with push-sum weights."""
+
+  def exchange_with(self, i: int, j: int) -> None:
     per_model = self.links.options.push_sum == "per_model"
     model_weight = self.store.halve_model_weight(i) if per_model else None
     outbox = self.links.outboxes[i]
@@ -49,19 +49,10 @@ class GoSGD(StatelessExchange):
       self.store.add_model_weight(j, model_weight)
 
 
-class ADPSGD(StatelessExchange):
-  """Local steps stage by stage; then every stage averaged with one peer."""
+class ADPSGD(_PeerExchange):
+  """Every stage averaged with the peer's, both sides keeping the average."""
 
-  def begin(self, i: int) -> None:
-    return None
-
-  def on_stage(self, i: int, context, s: int, grads, step: jax.Array) -> None:
-    self.store.local_step(i, s, grads, step)
-
-  def end(self, i: int, context) -> None:
-    j = self.peers.pick(i)
-    if j is None:
-      return
+  def exchange_with(self, i: int, j: int) -> None:
     for s in range(self.store.num_stages):
       self.store.average_pair(i, j, s)
 

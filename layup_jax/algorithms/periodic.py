@@ -38,7 +38,7 @@ from layup_jax import collectives
 from layup_jax.algorithms.base import init_model
 from layup_jax.data import Dataset, TrainStreams
 from layup_jax.errors import ConfigError
-from layup_jax.exchange import Links, StatelessExchange
+from layup_jax.exchange import Links, LocalStepsExchange
 from layup_jax.options import RuntimeOptions
 from layup_jax.replicas import device_arrays_like
 from layup_jax.runtime import AsyncRuntime, PeriodSync
@@ -59,7 +59,7 @@ def sync_step(stacked_params, stacked_state, anchor, outer_state, *, like_params
   return optax.apply_updates(anchor, updates), outer_state, average_state
 
 
-class PeriodicAveraging(StatelessExchange):
+class PeriodicAveraging(LocalStepsExchange):
   """Local steps, then exact global averages every `tau` iterations (see the module doc)."""
 
   def __init__(self, links: Links, *, tau: int, out_freq: int,
@@ -123,12 +123,6 @@ class PeriodicAveraging(StatelessExchange):
     params, state = self._results[period]
     self.store.reset(k, params[k], state[k])
     self._applied[k] = boundary
-
-  def begin(self, i: int) -> None:
-    return None
-
-  def on_stage(self, i, context, s, grads, step) -> None:
-    self.store.local_step(i, s, grads, step)
 
   def end(self, i, context) -> None:
     finished = self._finished[i] + 1
