@@ -45,6 +45,10 @@ class PeerSampler:
     j = int(self._rngs[i].integers(self.num_devices - 1))
     return j if j < i else j + 1
 
+  def choose(self, i: int, candidates: list[int]) -> int:
+    """One of `candidates`, uniformly, from device i's RNG."""
+    return candidates[int(self._rngs[i].integers(len(candidates)))]
+
   def script(self, i: int, peer: int | None) -> None:
     """Makes `peer` device i's next pick (None: no peer)."""
     self._scripted[i] = peer

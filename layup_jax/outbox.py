@@ -14,6 +14,15 @@ Sends leave in the order they were posted. A posted stage goes as soon as it is 
 rest, so the updater keeps applying the local steps of gradients that arrive meanwhile. With
 `max_in_flight`, at most that many merges the outbox dispatched may be uncomputed on peers
 before it waits for the oldest (that waits on a peer: the price of bounding what peers hold).
+
+A device admits a bounded number of programs in flight (32 per device in XLA's CPU client):
+dispatching onto a device whose queue is full blocks the dispatching thread until it drains.
+A slow device that every peer keeps sending to fills its queue with their merges, and then
+every sender waits for it. So, with `reroute_congested` (the threaded runtime), a per-stage
+push-sum send whose peer already has `CONGESTED_AT` merges pending goes to a random peer that
+has fewer, when there is one: each stage is its own push-sum instance, so which peer receives
+it does not matter to the sum. (Per-model weights are added to the chosen peer for the whole
+model, so those sends are never rerouted.)
 """
 
 import collections
@@ -28,6 +37,10 @@ from layup_jax import transfer
 from layup_jax.replicas import ReplicaStore
 
 PyTree = Any
+# Merges pending on a device from which it counts as congested: a quarter of the 32 programs
+# XLA's CPU client admits per device, leaving room for the device's own iteration (a forward,
+# a backward and an update per stage, dispatched ahead).
+CONGESTED_AT = 8
 
 
 def _is_ready(tree: PyTree) -> bool:
@@ -48,8 +61,11 @@ def compile_landed(store: ReplicaStore) -> list:
 class Outbox:
   """Device `sender`'s sends not yet made, and its merges not yet landed on peers."""
 
-  def __init__(self, store: ReplicaStore, sender: int, max_in_flight: int = 0):
-    self._store, self._sender = store, sender
+  def __init__(self, store: ReplicaStore, sender: int, choose: Any = None,
+               max_in_flight: int = 0):
+    """`choose(sender, candidates)` picks a peer among candidates (rerouted sends)."""
+    self._store, self._sender, self._choose = store, sender, choose
+    self.reroute_congested = False
     # Posted sends: (peer, stage, part, amount, whether the merge adds it, future or None).
     self._pending: collections.deque = collections.deque()
     self._in_flight: collections.deque = collections.deque()  # `_landed` scalars, oldest first
@@ -77,6 +93,8 @@ class Outbox:
   def _send(self, peer: int, s: int, part: PyTree, amount: float, add_weight: bool,
             watched: Future | None) -> None:
     jax.block_until_ready(part)  # computed on our device: the peer never waits on our work
+    if self.reroute_congested and add_weight:
+      peer = self._uncongested(peer)
     while self._in_flight and self._in_flight[0].is_ready():
       self._in_flight.popleft()
     while len(self._in_flight) >= self.max_in_flight:  # bounds what peers hold of ours
@@ -87,6 +105,16 @@ class Outbox:
       self._in_flight.append(_landed(jax.tree.leaves(merged)[0]))
     if watched is not None:
       watched.set_result(merged)
+
+  def _uncongested(self, peer: int) -> int:
+    """`peer`, or a random peer with fewer than `CONGESTED_AT` merges pending if it has as
+    many, and some other has fewer."""
+    store = self._store
+    if store.pending_merges(peer) < CONGESTED_AT:
+      return peer
+    free = [k for k in range(store.num_devices)
+            if k != self._sender and store.pending_merges(k) < CONGESTED_AT]
+    return self._choose(self._sender, free) if free else peer
 
   def in_flight(self) -> int:
     return len(self._in_flight)

@@ -20,6 +20,7 @@ Locks are taken in (device, stage) order by any write that needs several, so wri
 deadlock. The lock type is given by the runtime (layup_jax/runtime.py owns the threads).
 """
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -133,6 +134,10 @@ class ReplicaStore:
     ]
     self.weights = pushsum.PushSumWeights(self.num_devices, self.num_stages)
     self._locks = [[lock() for _ in range(self.num_stages)] for _ in devices]
+    # Merges dispatched into each device and not yet seen computed (`pending_merges`): their
+    # outputs, dropped once computed. A merged stage superseded before it is computed is still
+    # in the device's queue; held here, it stays alive no longer than until that point is seen.
+    self._merges_into = [collections.deque() for _ in devices]
     # The finiteness of the updates device i applied in the iteration under way: (stages in
     # the order updated, `local_update`'s first_nonfinite). Only device i's updater touches it.
     self._no_check = [jax.device_put(np.int32(-1), d) for d in devices]
@@ -204,7 +209,27 @@ class ReplicaStore:
       self._store_mixed_part(j, s, merged)
       if add_weight:
         self.weights.add(j, s, sent)
+    self._merges_into[j].append(jax.tree.leaves(merged)[0])
     return merged
+
+  def pending_merges(self, j: int) -> int:
+    """How many merges into device j are dispatched and not yet computed, as far as seen: the
+    oldest are dropped once computed. Updaters of several devices share the count; two
+    dropping at once may drop one too many, which only undercounts."""
+    pending = self._merges_into[j]
+    while pending and pending[0].is_ready():
+      try:
+        pending.popleft()
+      except IndexError:
+        break
+    return len(pending)
+
+  def settle(self) -> None:
+    """Waits until every merge dispatched so far is computed and drops its output (at a
+    consistent point: no thread is sending)."""
+    for pending in self._merges_into:
+      jax.block_until_ready(list(pending))
+      pending.clear()
 
   def halve_model_weight(self, i: int) -> list[float]:
     """Per-model push-sum (Algorithm 1's `w_i <- w_i / 2`): every stage's weight of device i

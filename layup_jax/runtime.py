@@ -230,7 +230,7 @@ class AsyncRuntime:
     self.store = ReplicaStore(model, tx, devices, init_params, init_state, options,
                               lock=threading.Lock)
     self.peers = PeerSampler(self.num_devices, options.seed, options.gossip)
-    self.outboxes = [Outbox(self.store, i, options.max_sends_in_flight)
+    self.outboxes = [Outbox(self.store, i, self.peers.choose, options.max_sends_in_flight)
                      for i in range(self.num_devices)]
     self._stop = threading.Event()
     self.exchange = make_exchange(Links(self.store, self.outboxes, self.peers, options,
@@ -473,6 +473,8 @@ class AsyncRuntime:
       self._budget.finish()  # last: the main thread may now read this device
 
   def _start_threads(self) -> None:
+    for sender in self.outboxes:  # threads: a slow peer's full queue must not stall a sender
+      sender.reroute_congested = True
     loops = [("compute", self._compute_loop), ("updater", self._updater_loop)]
     if self.options.latency_every:
       loops.append(("latency", self._latency_loop))
@@ -516,6 +518,7 @@ class AsyncRuntime:
     for i in range(self.num_devices):  # every thread is idle: read the last flags
       self._check_finite(i)
     self._landings_recorded()
+    self.store.settle()
     on_progress(self._budget.finished)
 
   def iterations_done(self) -> int:

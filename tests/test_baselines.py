@@ -90,15 +90,23 @@ def _ddp_params(model, steps, tx):
   return jax.tree.leaves(jax.device_get(ddp.snapshot().params[0]))
 
 
+@pytest.mark.parametrize("threaded", [False, True], ids=["serial", "threaded"])
 @pytest.mark.parametrize("outer_tx", [None, optax.sgd(1.0)], ids=["local_sgd", "slowmo"])
-def test_periodic_averaging_every_step_equals_ddp(outer_tx):
+def test_periodic_averaging_every_step_equals_ddp(outer_tx, threaded):
   """Local SGD with tau=1, and SlowMo with tau=1, slow lr 1 and slow momentum 0, are DDP: the
-  mean of M SGD-with-momentum steps from one model is one step with the mean gradient."""
+  mean of M SGD-with-momentum steps from one model is one step with the mean gradient. It holds
+  with the threads too: every device's step of a period starts from the same model, whatever
+  order the threads run in."""
   runtime = make_layup_runtime(4, model=plain_mlp(), exchange=make_exchange(
       tau=1, out_freq=1, outer_tx=outer_tx, lag=0))
-  for _ in range(5):
-    for i in range(4):
-      runtime.iterate_serial(i)
+  if threaded:
+    runtime.compile()
+    runtime.run_until(4 * 5, lambda _: None)
+    runtime.close()
+  else:
+    for _ in range(5):
+      for i in range(4):
+        runtime.iterate_serial(i)
   want = _ddp_params(plain_mlp(), 5, optax.sgd(0.05, momentum=0.9))
   for device in range(4):
     for got, expected in zip(_leaves(runtime, device), want):

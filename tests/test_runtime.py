@@ -231,6 +231,31 @@ def test_a_device_does_not_wait_for_a_slow_peer_that_sends_to_it():
   assert runtime.store.weights.values[1] != [0.5] * 3  # device 0's stages reached device 1
 
 
+def test_sends_to_a_device_with_a_full_queue_go_to_another_peer():
+  # A device admits 32 programs in flight (XLA's CPU client); dispatching onto a full one
+  # blocks the sender. Device 1 is held back by a long program; device 0 keeps sending to it:
+  # once 8 of its merges are pending there, device 0's stages go to device 2 instead, and
+  # device 0 goes on training while device 1's program still runs.
+  from layup_jax import outbox
+
+  runtime = make_layup_runtime(3)
+  runtime.compile()
+  runtime.outboxes[0].reroute_congested = True  # as the threaded runtime sets it
+  slow = straggler.DelayProgram(runtime.store.device(1))
+  slow.calibrate()
+  held_back = slow(6.0)
+  for _ in range(15):  # 45 stages for device 1: more than its queue admits
+    runtime.iterate_serial(0, 1)
+  assert not held_back.is_ready(), "device 0 waited for device 1's queue"
+  assert runtime.store.pending_merges(1) == outbox.CONGESTED_AT
+  weights = runtime.store.weights.values
+  assert all(w > 1 / 3 for w in weights[2]) and all(w > 1 / 3 for w in weights[1])
+  jax.block_until_ready(held_back)
+  runtime.store.settle()
+  assert runtime.store.pending_merges(1) == 0
+  assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+
+
 def test_no_device_trains_at_learning_rate_zero_before_the_run_ends():
   # A straggler at delay 3 on 4 devices: the fast devices do most iterations. The schedule is
   # driven by the run's global step, so every update of the run has a learning rate above 0
