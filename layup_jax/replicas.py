@@ -16,8 +16,11 @@ the read and the store would be overwritten. The lock is held while dispatching 
 device, so no thread waits for another thread's computation; the paper's own implementation
 likewise locks around the initiation of its NCCL calls (Appendix, "Updater thread").
 
-Locks are taken in (device, stage) order by any write that needs several, so writes cannot
-deadlock. The lock type is given by the runtime (layup_jax/runtime.py owns the threads).
+Each (device, stage) has two locks: one for its params, Optax state and push-sum weight, one
+for its BatchNorm state, so that the owner's forward (statistics) and its updater (params)
+never wait for each other; a merge that mixes both takes both. Any write that needs several
+takes params locks before state locks, and devices in index order, so writes cannot deadlock.
+The lock type is given by the runtime (layup_jax/runtime.py owns the threads).
 """
 
 import collections
@@ -134,6 +137,7 @@ class ReplicaStore:
     ]
     self.weights = pushsum.PushSumWeights(self.num_devices, self.num_stages)
     self._locks = [[lock() for _ in range(self.num_stages)] for _ in devices]
+    self._state_locks = [[lock() for _ in range(self.num_stages)] for _ in devices]
     # Merges dispatched into each device and not yet seen computed (`pending_merges`): their
     # outputs, dropped once computed. A merged stage superseded before it is computed is still
     # in the device's queue; held here, it stays alive no longer than until that point is seen.
@@ -158,6 +162,16 @@ class ReplicaStore:
       return replica.params[s], replica.state[s]
     return replica.params[s]
 
+  @contextlib.contextmanager
+  def _writing(self, i: int, s: int):
+    """Holds the locks of what a merge of stage s of device i writes."""
+    with self._locks[i][s]:
+      if self.bn_policy == "mix" and self._has_state[s]:
+        with self._state_locks[i][s]:
+          yield
+      else:
+        yield
+
   def _store_mixed_part(self, i: int, s: int, part: PyTree) -> None:
     replica = self.replicas[i]
     if isinstance(part, tuple):
@@ -173,7 +187,7 @@ class ReplicaStore:
     replica = self.replicas[i]
     if not self._has_state[s]:
       return forward(replica.state[s])[0]
-    with self._locks[i][s]:
+    with self._state_locks[i][s]:
       outputs, replica.state[s] = forward(replica.state[s])
     return outputs
 
@@ -203,7 +217,7 @@ class ReplicaStore:
     received stage (on device j, computed) that carries weight `sent`; with `add_weight`
     (per-stage push-sum) also `w_{j,s} += a`, in the same atomic write. Returns the merged
     stage."""
-    with self._locks[j][s]:
+    with self._writing(j, s):
       share = np.float32(self.weights.receiver_share(j, s, sent))
       merged = self.merge_fn(self._mixed_part(j, s), received, share)
       self._store_mixed_part(j, s, merged)
@@ -262,7 +276,7 @@ class ReplicaStore:
     theirs_here = transfer.to_device(theirs, self.device(i))
     mine_there = transfer.to_device(mine, self.device(j))
     for k, before, other in ((i, mine, theirs_here), (j, theirs, mine_there)):
-      with self._locks[k][s]:
+      with self._writing(k, s):
         self._store_mixed_part(k, s, self._toward_average(self._mixed_part(k, s), before,
                                                           other))
 
@@ -270,7 +284,7 @@ class ReplicaStore:
     """Device i's model <- given per-stage params and state (a period's average)."""
     replica = self.replicas[i]
     for s in range(self.num_stages):
-      with self._locks[i][s]:
+      with self._locks[i][s], self._state_locks[i][s]:
         replica.params[s], replica.state[s] = params[s], state[s]
 
   # --- finiteness of the local updates --------------------------------------------------------
@@ -363,7 +377,7 @@ class ReplicaStore:
     for k, replica in enumerate(self.replicas):
       tree = jax.device_put(trees[k], replica.device)
       with contextlib.ExitStack() as held:
-        for lock in self._locks[k]:
+        for lock in self._locks[k] + self._state_locks[k]:
           held.enter_context(lock)
         replica.params, replica.state = list(tree["params"]), list(tree["state"])
         replica.opt_state = list(tree["opt_state"])

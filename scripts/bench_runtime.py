@@ -125,7 +125,7 @@ def main() -> None:
     steps = STEPS[case]
     built = {side: build(args.num_devices, side == "on", case) for side in ("on", "off")}
     units = {side: steps for side in built}
-    times = interleaved({side: (lambda rt=runtime: threaded_block(rt, steps * args.num_devices))
+    times = interleaved({side: (lambda rt=runtime, n=steps: threaded_block(rt, n * args.num_devices))
                          for side, (runtime, _) in built.items()},
                         args.repeats, units)
     for runtime, dataset in built.values():

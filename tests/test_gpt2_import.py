@@ -66,8 +66,8 @@ def numpy_gpt2_logits(t, tokens):
 
 def tiny_config(directory, granularity="per_block"):
   config = base.get_config().model
-  config.update(dict(name="gpt2", size="tiny", vocab_size=VOCAB, max_len=CTX,
-                     granularity=granularity, pretrained=str(directory)))
+  config.update({"name": "gpt2", "size": "tiny", "vocab_size": VOCAB, "max_len": CTX,
+                     "granularity": granularity, "pretrained": str(directory)})
   return config
 
 

@@ -30,8 +30,8 @@ def tiny(name: str, **overrides):
   """A config.model small enough for CPU tests, and a batch generator for it."""
   config = base.get_config().model
   config.name = name
-  config.update(dict(variant="cifar", num_classes=5, size="tiny", vocab_size=48, max_len=16,
-                     hidden_size=16, num_layers=2, dropout=0.0))
+  config.update({"variant": "cifar", "num_classes": 5, "size": "tiny", "vocab_size": 48, "max_len": 16,
+                     "hidden_size": 16, "num_layers": 2, "dropout": 0.0})
   config.update(overrides)
   return config
 

@@ -21,7 +21,7 @@ def test_bring_your_own_model_snippet_trains(tmp_path):
   section = README.split("## Bring your own model", 1)[1]
   snippet = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
   snippet = snippet.replace('"runs/my_mlp"', repr(str(tmp_path)))
-  result = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True,
+  result = subprocess.run([sys.executable, "-c", snippet], check=False, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   accuracy = float(re.search(r"test accuracy (\d\.\d+)", result.stdout).group(1))
