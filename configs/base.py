@@ -96,12 +96,17 @@ def get_config() -> ml_collections.ConfigDict:
   # The periodic-averaging baselines (layup_jax/algorithms/periodic.py), named as in the paper.
   config.baselines = ml_collections.ConfigDict()
   config.baselines.tau = 12  # local iterations between exact global averages
-  config.baselines.out_freq = 48  # iterations between outer steps (a multiple of tau)
+  config.baselines.out_freq = 48  # iterations between outer steps (a multiple of tau); DiLoCo
+  #                                 takes one at every average, so it needs out_freq == tau
   config.baselines.slow_lr = 1.0  # SlowMo, CO2: outer learning rate
   config.baselines.slow_momentum = 0.5  # SlowMo, CO2: outer momentum
-  config.baselines.co2_clip = 1.0  # CO2: clip of the outer pseudo-gradient's global norm
+  config.baselines.co2_clip = 1.0  # CO2: clip of the outer momentum's global norm (0 = none)
   config.baselines.outer_lr = 0.7  # DiLoCo: outer Nesterov SGD learning rate
   config.baselines.outer_momentum = 0.9  # DiLoCo: outer Nesterov momentum
+  # DDP's BatchNorm: "replica", PyTorch DDP's default (each device's own batch statistics; device
+  # 0's running statistics kept, as rank 0's buffers are broadcast before each forward), or
+  # "global" (statistics of the global batch, as torch.nn.SyncBatchNorm).
+  config.baselines.ddp_batch_norm = "replica"
 
   # Straggler injection (paper Section 5.4): one device slowed by delay_iters times its measured
   # mean iteration time, each iteration (layup_jax/straggler.py). device=-1 turns it off.

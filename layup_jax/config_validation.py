@@ -9,6 +9,7 @@ import ml_collections
 
 from configs import base
 from layup_jax import algorithms, data, models, nonfinite, optim, options, stages, straggler
+from layup_jax.algorithms import ddp
 from layup_jax.errors import ConfigError
 from layup_jax.models import gpt2
 
@@ -68,6 +69,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "layup.remat", stages.REMAT_POLICIES)
   _one_of(config, "faults.nonfinite", nonfinite.POLICIES)
   _one_of(config, "straggler.mode", straggler.MODES)
+  _one_of(config, "baselines.ddp_batch_norm", ddp.BATCH_NORM)
 
   pretrained = config.model.pretrained
   if pretrained:
@@ -102,6 +104,10 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
     _at_least(config, key, 0)
   _require(config.baselines.out_freq % config.baselines.tau == 0, "baselines.out_freq",
            config.baselines.out_freq, f"must be a multiple of baselines.tau={config.baselines.tau}")
+  _require(config.algorithm != "diloco" or config.baselines.out_freq == config.baselines.tau,
+           "baselines.out_freq", config.baselines.out_freq,
+           f"DiLoCo takes an outer step at every average (Douillard et al. 2023, Algorithm 1): "
+           f"set it equal to baselines.tau={config.baselines.tau}")
   _require(config.optimizer.momentum < 1, "optimizer.momentum", config.optimizer.momentum,
            "must be < 1")
   _require(config.model.dropout < 1, "model.dropout", config.model.dropout, "must be < 1")

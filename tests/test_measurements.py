@@ -58,6 +58,24 @@ def test_staged_flops_equal_the_fused_step_flops():
   assert analytic <= staged <= 1.3 * analytic
 
 
+def test_layup_and_ddp_count_the_same_flops_for_one_device_iteration(tiny_config):
+  """MFU compares algorithms only if each counts one device's iteration of the same model:
+  DDP's count does not depend on how many devices share its step."""
+  model = models.make_model(tiny_config.model)
+  layup = make_layup_runtime(8, model=model, batch_size=8)
+  train_batch = layup._example_batch
+  params, state = jax.device_get(model.init(jax.random.key(0), train_batch.inputs))
+
+  def ddp_count(num_devices):
+    runtime = ddp.DDPRuntime(model, optax.sgd(0.05, momentum=0.9), jax.devices()[:num_devices],
+                             [], params, state, train_batch, seed=0)
+    return runtime.flops_per_iteration()
+
+  on_eight, on_one = ddp_count(8), ddp_count(1)
+  assert on_eight == on_one
+  assert layup.flops_per_iteration() == pytest.approx(on_eight, rel=0.05)
+
+
 def test_a_run_reports_throughput_per_device_mfu_and_time_to_target(tiny_config, tmp_path,
                                                                    monkeypatch):
   monkeypatch.setitem(flops.PEAK_FLOPS, jax.devices()[0].device_kind, 1e11)  # a made-up peak

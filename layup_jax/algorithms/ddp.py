@@ -2,9 +2,18 @@
 
 Params, BatchNorm state and Optax state are replicated over a one-axis `Mesh` of the M devices,
 the global batch (M per-device batches, device i's in the i-th slice) is sharded along it, and
-XLA inserts the gradient mean. BatchNorm statistics are therefore those of the global batch
-(synchronized BatchNorm), so one step on M devices equals one step on one device with the
-concatenated batch.
+XLA inserts the gradient mean.
+
+BatchNorm (`baselines.ddp_batch_norm`) follows the paper's DDP, PyTorch's
+`DistributedDataParallel`, by default ("replica"): each replica normalizes with its own batch's
+statistics (BatchNorm is not synchronized unless it is `SyncBatchNorm`), and with
+`broadcast_buffers=True` (the default) rank 0's buffers are broadcast to every replica before
+each forward (torch/nn/parallel/distributed.py, `_sync_buffers` -> `_sync_module_buffers` with
+`authoritative_rank=0`), so the running statistics that persist are rank 0's, updated from rank
+0's batch. Here the loss is vmapped over the M per-device batches and the running statistics
+kept are device 0's. "global" normalizes over the global batch (`torch.nn.SyncBatchNorm`'s
+semantics): one step on M devices then equals one step on one device with the concatenated
+batch. Models without BatchNorm state take the same step either way.
 """
 
 import functools
@@ -28,13 +37,32 @@ from layup_jax.snapshot import Snapshot
 from layup_jax.stages import StagedModel
 from layup_jax.straggler import IterationClock
 
+BATCH_NORM = ("replica", "global")  # config.baselines.ddp_batch_norm
+
+
+def replica_loss(model: StagedModel, num_replicas: int, params, state, inputs, targets, key,
+                 iteration):
+  """The mean over `num_replicas` equal slices of the batch of each slice's own loss, every
+  slice normalized with its own batch statistics; the new state is slice 0's (PyTorch DDP with
+  its default `broadcast_buffers`: rank 0's buffers overwrite the others' before each forward).
+  Slice i draws its randomness from `fold_in(key, i)`."""
+  split = lambda a: a.reshape(num_replicas, a.shape[0] // num_replicas, *a.shape[1:])
+  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_replicas))
+  losses, states = jax.vmap(model.loss, in_axes=(None, None, 0, 0, 0, None))(
+      params, state, split(inputs), split(targets), keys, iteration)
+  return jnp.mean(losses), jax.tree.map(lambda a: a[0], states)
+
 
 def train_step(model: StagedModel, tx: optax.GradientTransformation, params, state, opt_state,
-               inputs, targets, key, iteration, skip_nonfinite: bool = False):
+               inputs, targets, key, iteration, skip_nonfinite: bool = False,
+               num_replicas: int = 1):
   """One fused `value_and_grad` + Optax step: `(params, state, opt_state, loss, finite)`, where
   `finite[s]` says whether stage s's (device-averaged) gradient is finite. With
-  `skip_nonfinite` a step with any non-finite gradient changes nothing."""
-  (loss, new_state), grads = jax.value_and_grad(model.loss, has_aux=True)(
+  `skip_nonfinite` a step with any non-finite gradient changes nothing. With `num_replicas`
+  > 1 BatchNorm statistics are per replica (`replica_loss`); with 1, of the whole batch."""
+  loss_fn = (functools.partial(replica_loss, model, num_replicas) if num_replicas > 1
+             else model.loss)
+  (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       params, state, inputs, targets, key, iteration
   )
   finite = jnp.stack([nonfinite.all_finite(stage_grads) for stage_grads in grads])
@@ -53,7 +81,10 @@ class DDPRuntime:
 
   def __init__(self, model, tx, devices, train_batches, params, state, example_batch, *,
                seed: int, straggler_delay_iters: float = 0.0, straggler_mode: str = "host",
-               straggler_device: int = 0, nonfinite_policy: str = "stop"):
+               straggler_device: int = 0, nonfinite_policy: str = "stop",
+               batch_norm: str = "replica"):
+    if batch_norm not in BATCH_NORM:
+      raise ValueError(f"batch_norm must be one of {BATCH_NORM}, not {batch_norm!r}")
     self.num_devices = len(devices)
     mesh = Mesh(np.asarray(devices), ("data",))
     self._replicated = NamedSharding(mesh, PartitionSpec())
@@ -65,8 +96,15 @@ class DDPRuntime:
     self.opt_state = jax.jit(tx.init, out_shardings=self._replicated)(self.params)
     self._key = jax.device_put(jax.random.key(seed), self._replicated)
     self._skip_nonfinite = nonfinite_policy == "skip"
+    # Per-replica statistics only change something where there is BatchNorm state.
+    per_replica = batch_norm == "replica" and bool(jax.tree.leaves(state))
+    step = functools.partial(train_step, model, tx, skip_nonfinite=self._skip_nonfinite,
+                             num_replicas=self.num_devices if per_replica else 1)
+    # One device's iteration, for FLOPs: the same step on one device's batch, unsharded.
+    self._one_device_step = jax.jit(functools.partial(
+        train_step, model, tx, skip_nonfinite=self._skip_nonfinite))
     self._step = jax.jit(
-        functools.partial(train_step, model, tx, skip_nonfinite=self._skip_nonfinite),
+        step,
         out_shardings=self._replicated,
         donate_argnums=(0, 1, 2),
     )
@@ -152,9 +190,13 @@ class DDPRuntime:
     return [self._steps_done] * self.num_devices
 
   def flops_per_iteration(self) -> float:
-    """XLA's FLOPs of the compiled step over the global batch, per device (call `compile()`
-    first)."""
-    return flops.flops_of(self._step) / self.num_devices
+    """XLA's FLOPs of one device's iteration: the step on one device's batch, lowered (as
+    LayUp's count, `AsyncRuntime.flops_per_iteration`), without the gradient all-reduce."""
+    example = self._example_batch
+    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                         (self.params, self.state, self.opt_state))
+    return flops.flops_of(self._one_device_step.lower(
+        *avals, example.inputs, example.targets, jax.random.key(0), np.int32(0)))
 
   def temp_bytes(self) -> int:
     """Scratch memory per device of the compiled step (activations, gradients, all-reduce
@@ -199,4 +241,5 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
                     seed=config.seed, straggler_delay_iters=delay,
                     straggler_mode=config.straggler.mode,
                     straggler_device=max(config.straggler.device, 0),
-                    nonfinite_policy=config.faults.nonfinite)
+                    nonfinite_policy=config.faults.nonfinite,
+                    batch_norm=config.baselines.ddp_batch_norm)
