@@ -1,7 +1,9 @@
 """Each baseline's defining property, on CPU fake devices (paper Section 5's comparisons)."""
 
+import itertools
 import json
 
+import chex
 import flax.linen as nn
 import jax
 import numpy as np
@@ -73,6 +75,40 @@ def test_adpsgd_keeps_the_sum_of_models_under_learning_rate_zero_while_mixing():
   for x, y in zip(before, total()):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
   assert spread() < 0.2 * spread_before
+
+
+def _fixed_batches(num_devices):
+  """Device d trains on the same batch every iteration: its own 8 digits."""
+  from layup_jax.data import digits
+  from layup_jax.data.pipeline import Batch
+
+  train, _ = digits.load_digits(0.2)
+  return [Batch(train.inputs[8 * d:8 * d + 8], train.targets[8 * d:8 * d + 8])
+          for d in range(num_devices)]
+
+
+def _gradient(model, runtime, device, batch, params):
+  """The loss gradient of `params` (a list of stage pytrees) on `batch`: what device computes."""
+  state = runtime.stage_state(device)
+  return jax.grad(lambda p: model.loss(p, state, batch.inputs, batch.targets,
+                                       jax.random.key(0), 0)[0])(params)
+
+
+def test_adpsgd_averages_with_the_peer_before_applying_its_own_gradient():
+  """Lian et al. 2018, Algorithm 1: gradient on the local model, average with the peer, then
+  the gradient applied to the average, so none of it reaches the peer."""
+  batches, model = _fixed_batches(2), plain_mlp((8,))
+  runtime = make_layup_runtime(2, model=model, tx=optax.sgd(0.1), exchange=ADPSGD,
+                               train_batches=[itertools.repeat(b) for b in batches])
+  runtime.replicas[1].params = [jax.tree.map(lambda a: 1.5 * a, p)
+                                for p in runtime.replicas[1].params]
+  x0, x1 = (jax.device_get(runtime.stage_params(d)) for d in range(2))
+  g0 = _gradient(model, runtime, 0, batches[0], x0)
+  runtime.iterate_serial(0, peer=1)
+  average = jax.tree.map(lambda a, b: (a + b) / 2, x0, x1)
+  chex.assert_trees_all_close(jax.device_get(runtime.stage_params(0)),
+                              jax.tree.map(lambda a, g: a - 0.1 * g, average, g0), atol=1e-6)
+  chex.assert_trees_all_close(jax.device_get(runtime.stage_params(1)), average, atol=1e-6)
 
 
 def _ddp_params(model, steps, tx):

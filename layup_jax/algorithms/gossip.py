@@ -6,10 +6,13 @@ push-sum weights follow `layup.push_sum` as LayUp's do (per stage by default: ea
 exact push-sum instance; per model: one weight per device, added to the peer after the last
 stage).
 
-AD-PSGD (Lian et al. 2018): after each local step a device averages its whole model
-symmetrically with one random peer; both end with the average. The average of each stage is
-one atomic pairwise step of the replica store (`ReplicaStore.average_pair`): the sum of all
-models is kept whatever local steps land meanwhile.
+AD-PSGD (Lian et al. 2018, Algorithm 1): a device computes its gradient on its local model
+(line 2-3), averages its model with one random peer, both keeping the average (line 4), and
+only then applies the gradient to the averaged model (line 5): the gradient stays with the
+device that computed it. Here the average and the step go stage by stage as the gradients
+arrive, each stage averaged before its gradient is applied; the average of each stage is one
+atomic pairwise step of the replica store (`ReplicaStore.average_pair`): the sum of all models
+is kept whatever local steps land meanwhile.
 """
 
 from collections.abc import Sequence
@@ -26,19 +29,14 @@ from layup_jax.runtime import AsyncRuntime
 from layup_jax.stages import StagedModel
 
 
-class _PeerExchange(LocalStepsExchange):
-  """Local steps stage by stage; after the last, the whole model exchanged with one peer."""
+class GoSGD(LocalStepsExchange):
+  """Local steps stage by stage; after the last, the whole model pushed to one peer, stage by
+  stage, with push-sum weights."""
 
   def end(self, i: int, context) -> None:
     j = self.peers.pick(i)
-    if j is not None:
-      self.exchange_with(i, j)
-
-
-class GoSGD(_PeerExchange):
-  """The whole model pushed to the peer, stage by stage, with push-sum weights."""
-
-  def exchange_with(self, i: int, j: int) -> None:
+    if j is None:
+      return
     per_model = self.links.options.push_sum == "per_model"
     model_weight = self.store.halve_model_weight(i) if per_model else None
     outbox = self.links.outboxes[i]
@@ -49,12 +47,20 @@ class GoSGD(_PeerExchange):
       self.store.add_model_weight(j, model_weight)
 
 
-class ADPSGD(_PeerExchange):
-  """Every stage averaged with the peer's, both sides keeping the average."""
+class ADPSGD(LocalStepsExchange):
+  """Per stage, as its gradient arrives: averaged with the peer's (both keep the average), then
+  the gradient applied to the average (Algorithm 1, lines 4-5)."""
 
-  def exchange_with(self, i: int, j: int) -> None:
-    for s in range(self.store.num_stages):
-      self.store.average_pair(i, j, s)
+  def begin(self, i: int) -> int | None:
+    return self.peers.pick(i)
+
+  def on_stage(self, i: int, peer: int | None, s: int, grads, step: jax.Array) -> None:
+    if peer is not None:
+      self.store.average_pair(i, peer, s)
+    self.store.local_step(i, s, grads, step)
+
+  def end(self, i: int, peer: int | None) -> None:
+    pass
 
   def compile(self) -> None:
     jax.block_until_ready(self.store.compile_pair_average())
