@@ -1,4 +1,5 @@
-"""IMDb sentiment, 2-layer LSTM of 256 (paper appendix on IMDb), 8 devices.
+"""IMDb sentiment, 2-layer LSTM of 256 (paper appendix on IMDb), 8 devices (the paper does not
+say which of its machines ran it; 8 is the default here), float32.
 
 Batch 75 per worker, Adam, cosine schedule (T_max 150 in the paper's table, read here as
 epochs), no weight decay. Reviews are byte-level tokens (data.tokenizer for GPT-2 BPE), the
@@ -17,6 +18,7 @@ PAPER = {
 def get_config(algorithm=None):
   config = base.get_config()
   base.set_values(config, {
+      "num_devices": 8, "model.dtype": "float32",
       "model.name": "lstm", "model.num_classes": 2, "model.vocab_size": 257,
       "model.hidden_size": 256, "model.num_layers": 2,
       "data.name": "imdb_reviews", "data.batch_size": 75, "data.seq_len": 512,
