@@ -184,13 +184,19 @@ def test_threaded_writes_never_overwrite_a_newer_version_of_a_stage():
 
 
 class _GatedBatches:
-  """A device's batches, held back until `go` is set."""
+  """A device's batches: the first `free` pass, the rest wait until `go` is set. `waiting` is
+  set once the device's compute thread has taken an iteration and waits at the gate."""
 
-  def __init__(self, iterator, go: threading.Event):
-    self.iterator, self.go = iterator, go
+  def __init__(self, iterator, go: threading.Event, free: int = 0):
+    self.iterator, self.go, self.free = iterator, go, free
+    self.waiting = threading.Event()
 
   def __next__(self):
-    assert self.go.wait(timeout=60)
+    if self.free:
+      self.free -= 1
+    else:
+      self.waiting.set()
+      assert self.go.wait(timeout=60)
     return next(self.iterator)
 
 
@@ -203,30 +209,34 @@ def test_a_device_does_not_wait_for_a_slow_peer_that_sends_to_it():
 
   train, _ = digits.load_digits(0.2)
   go = threading.Event()
-  batches = [TrainIterator(train, 2, 0, 8, 0),
+  # Device 0 runs one iteration and then waits at its gate too, so however the threads are
+  # scheduled it takes at most two of the three iterations granted and device 1 gets one.
+  batches = [_GatedBatches(TrainIterator(train, 2, 0, 8, 0), go, free=1),
              _GatedBatches(TrainIterator(train, 2, 1, 8, 0), go)]
   runtime = make_layup_runtime(2, train_batches=batches)
-  runtime.compile()
-  slow = straggler.DelayProgram(runtime.store.device(0))
-  slow.calibrate()
-  held_back = slow(6.0)
-  started = time.perf_counter()
-  runtime._budget.grant(2)  # device 0 takes one iteration, device 1 waits at its gate
-  runtime._start_threads()
-  deadline = time.perf_counter() + 5
-  while not (runtime.store.replicas[0].iteration == 1 and runtime._budget.started == 2):
-    assert time.perf_counter() < deadline
-    time.sleep(0.01)
-  time.sleep(0.5)  # device 0's updater has its gradients: had it sent them, they'd be queued
-  go.set()
-  while not runtime._losses[1]:  # device 1's loss is read once its forward pass has run
-    assert time.perf_counter() - started < 60
-    time.sleep(0.005)
-  params = runtime.store.params(1, runtime.num_stages - 1)
-  jax.block_until_ready(params)
-  assert not held_back.is_ready(), "device 1 waited for device 0's unfinished program"
-  runtime.run_until(2, lambda _: None)  # device 0's iteration and its sends complete
-  runtime.close()
+  try:
+    runtime.compile()
+    slow = straggler.DelayProgram(runtime.store.device(0))
+    slow.calibrate()
+    held_back = slow(6.0)
+    started = time.perf_counter()
+    runtime._budget.grant(3)
+    runtime._start_threads()
+    deadline = time.perf_counter() + 5
+    while not (runtime.store.replicas[0].iteration == 1 and batches[1].waiting.is_set()):
+      assert time.perf_counter() < deadline
+      time.sleep(0.01)
+    time.sleep(0.5)  # device 0's updater has its gradients: had it sent them, they'd be queued
+    go.set()
+    while not runtime._losses[1]:  # device 1's loss is read once its forward pass has run
+      assert time.perf_counter() - started < 60
+      time.sleep(0.005)
+    params = runtime.store.params(1, runtime.num_stages - 1)
+    jax.block_until_ready(params)
+    assert not held_back.is_ready(), "device 1 waited for device 0's unfinished program"
+    runtime.run_until(3, lambda _: None)  # device 0's iteration and its sends complete
+  finally:
+    runtime.close()
   assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
   assert runtime.store.weights.values[1] != [0.5] * 3  # device 0's stages reached device 1
 
@@ -347,7 +357,7 @@ def test_threaded_layup_lowers_the_test_loss_and_stops_cleanly():
   assert after < 0.5 * before
   assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)  # no weight is lost
   runtime.close()
-  assert not [t for t in threading.enumerate() if t.name.startswith("layup-")]
+  assert runtime._threads and not [t for t in runtime._threads if t.is_alive()]
 
 
 def _ddp_runtime(num_devices):
@@ -398,7 +408,7 @@ def test_an_exception_in_an_updater_thread_surfaces_with_its_device_and_stage():
   with pytest.raises(WorkerError, match=r"updater thread of device 2 failed at stage 2: "
                                         r"FloatingPointError: injected"):
     runtime.run_until(4 * 50, lambda _: None)
-  assert not [t for t in threading.enumerate() if t.name.startswith("layup-") and t.is_alive()]
+  assert runtime._threads and not [t for t in runtime._threads if t.is_alive()]
 
 
 @pytest.mark.parametrize("algorithm", ["layup", "gosgd", "adpsgd"])
@@ -412,7 +422,14 @@ def test_a_straggler_does_fewer_iterations_than_the_others(mode, algorithm):
   runtime.close()
   iterations = [r.iteration for r in runtime.replicas]
   assert sum(iterations) == 240
-  assert iterations[0] < 0.6 * min(iterations[1:])
+  # At delay 3 the straggler's iteration takes about 4 of the others'. LayUp and GoSGD never
+  # wait for it (measured ratios 0.09-0.21). AD-PSGD's pairwise average reads both models as
+  # they stand once computed (Lian et al. 2018, Algorithm 1, line 4), so a fast device whose
+  # peer is the straggler waits for the work queued on the straggler's device: in device mode
+  # the fast updaters spent 3.2 s of a 1.4 s run (summed over 3) in such averages, and the
+  # ratio measured 0.45-0.62 in 9 runs (2026-11-24, 2-core CPU). docs/runtime.md reports it.
+  bound = 0.8 if algorithm == "adpsgd" else 0.6
+  assert iterations[0] < bound * min(iterations[1:])
 
 
 def test_without_gossip_each_device_trains_alone():
@@ -507,7 +524,7 @@ def test_run_until_returns_with_every_iterations_loss_recorded(periodic):
   # A consistent point includes the compute threads' bookkeeping: with two iterations
   # dispatched ahead, the last loss of each device is read before run_until returns (and a
   # device waiting at an averaging boundary reads its losses before it waits).
-  exchange = make_exchange(tau=3, out_freq=3, outer_tx=None, lag=0) if periodic else None
+  exchange = make_exchange(tau=3, out_freq=3, outer=None, lag=0) if periodic else None
   runtime = make_layup_runtime(4, max_dispatch_ahead=2, exchange=exchange)
   runtime.compile()
   for steps in (5, 9):
