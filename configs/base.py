@@ -100,7 +100,7 @@ def get_config() -> ml_collections.ConfigDict:
   #                                 takes one at every average, so it needs out_freq == tau
   config.baselines.slow_lr = 1.0  # SlowMo, CO2: outer learning rate
   config.baselines.slow_momentum = 0.5  # SlowMo, CO2: outer momentum
-  config.baselines.co2_clip = 1.0  # CO2: clip of the outer momentum's global norm (0 = none)
+  config.baselines.co2_clip = 1.0  # CO2: outer momentum clipped elementwise to +-this (0 = none)
   config.baselines.outer_lr = 0.7  # DiLoCo: outer Nesterov SGD learning rate
   config.baselines.outer_momentum = 0.9  # DiLoCo: outer Nesterov momentum
   # DDP's BatchNorm: "replica", PyTorch DDP's default (each device's own batch statistics; device

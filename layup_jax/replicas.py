@@ -280,12 +280,15 @@ class ReplicaStore:
         self._store_mixed_part(k, s, self._toward_average(self._mixed_part(k, s), before,
                                                           other))
 
-  def reset(self, i: int, params: Sequence[PyTree], state: Sequence[PyTree]) -> None:
-    """Device i's model <- given per-stage params and state (a period's average)."""
+  def reset(self, i: int, params: Sequence[PyTree], state: Sequence[PyTree] | None) -> None:
+    """Device i's model <- given per-stage params and state (a period's result); `state`
+    None keeps the device's own BatchNorm state."""
     replica = self.replicas[i]
     for s in range(self.num_stages):
       with self._locks[i][s], self._state_locks[i][s]:
-        replica.params[s], replica.state[s] = params[s], state[s]
+        replica.params[s] = params[s]
+        if state is not None:
+          replica.state[s] = state[s]
 
   # --- finiteness of the local updates --------------------------------------------------------
 

@@ -9,11 +9,10 @@ import shutil
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 from layup_jax import checkpointing, pushsum, remap, runner
-from layup_jax.algorithms.periodic import make_exchange
+from layup_jax.algorithms.periodic import CO2Outer, make_exchange
 from layup_jax.checkpointing import Checkpoints
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import ConfigError, NonFiniteError, StorageError
@@ -145,7 +144,7 @@ def test_remap_preserves_each_stages_mass_and_weight_sum():
 
 def _co2():
   return make_layup_runtime(4, model=plain_mlp(), exchange=make_exchange(
-      tau=2, out_freq=4, lag=1, outer_tx=optax.sgd(0.5, momentum=0.5)))
+      tau=2, out_freq=4, lag=1, outer=CO2Outer(0.5, 0.5, 1.0)))
 
 
 def test_co2_resumed_mid_period_continues_exactly(tmp_path):

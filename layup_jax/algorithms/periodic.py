@@ -1,24 +1,35 @@
 """Periodic-averaging baselines on the asynchronous runtime: Local SGD, SlowMo, CO2, DiLoCo.
 
 Every device takes local (inner) optimizer steps on its own shard. Every `tau` of its
-iterations it reaches a period boundary; when all devices have reached boundary t, the exact
-average of their models is taken with one XLA all-reduce (`layup_jax.collectives`), and every
-`out_freq` iterations an outer step updates the shared *anchor* from the pseudo-gradient
-`anchor - average`:
+iterations it reaches a period boundary b and contributes its model y_b^i; when all devices
+have reached b, their exact average is taken with one XLA all-reduce
+(`layup_jax.collectives`) and gives the boundary's result R_b, the model the devices continue
+from. Every `out_freq` iterations an outer step moves the *anchor* (R at the previous outer
+boundary) along the pseudo-gradient `anchor - average`:
 
-  Local SGD  models <- average                          (no outer step)
-  SlowMo     anchor <- anchor - slow_lr * m,  m <- slow_momentum * m + (anchor - average)
-             (Wang et al. 2020, with the base learning rate folded into m), models <- anchor
-  DiLoCo     anchor <- Nesterov SGD(outer_lr, outer_momentum) on (anchor - average),
-             models <- anchor; inner optimizer from config.optimizer (AdamW in the paper)
-  CO2        as SlowMo with the pseudo-gradient's global norm clipped to `co2_clip`, and
-             asynchronous: at boundary t a device contributes its model and continues at once
-             from the anchor of boundary t-1, so averaging overlaps the next `tau` local steps
-             and the average used is exactly one period stale (Sun et al. 2024; their
-             staleness-gap penalty is left out, as in the LayUp paper's comparison).
+  Local SGD  R_b = average                                     (no outer step)
+  SlowMo     m <- slow_momentum m + (anchor - average) / lr,
+             R_b = anchor <- anchor - slow_lr lr m             (fairscale's
+             SlowMoDistributedDataParallel: lr is the base optimizer's learning rate at the
+             boundary's last inner step)
+  DiLoCo     R_b = anchor <- Nesterov SGD(outer_lr, outer_momentum) on (anchor - average),
+             one outer step at every average (out_freq == tau, Douillard et al. 2023,
+             Algorithm 1); inner optimizer from config.optimizer (AdamW in the paper)
+  CO2        m <- clip(slow_momentum m + (anchor - average)), R_b = anchor <- anchor -
+             slow_lr m, with the outer momentum clipped elementwise to [-co2_clip, co2_clip]
+             (the CO2 fork's co2.py, `_perform_local_optimization` and `_co2_clip`), and
+             asynchronous (Sun et al. 2024, Algorithm 1): at boundary b a device contributes
+             its model and continues at once from R_{b-1}, the result of the all-reduce started
+             at the previous boundary, so the all-reduce overlaps the next `tau` local steps.
 
-At boundaries without an outer step (between `out_freq` ones) models <- average. BatchNorm
-statistics are averaged with the parameters; inner optimizer states stay local. A compute thread
+Between outer steps R_b is the average. With CO2's lag the devices started period b from
+R_{b-2} (not R_{b-1}), so the average is taken of the progress: the consensus at b is
+`R_{b-1} + mean_i(y_b^i) - R_{b-2}`, every period's local progress reaching R_b exactly once,
+one period late (one chain of results, not two). The staleness-gap penalty of CO2 is left out,
+as in the LayUp paper's comparison.
+
+BatchNorm statistics follow `layup.bn_policy`: "mix" averages them with the parameters at each
+boundary; "local" keeps each device's own. Inner optimizer states stay local. A compute thread
 does not start the first iteration of a period before its device's model has been reset for it;
 an updater never waits at a boundary (it contributes, and the reset happens when the result is
 ready: by the last device to arrive, or by the compute thread before its next iteration). So
@@ -26,15 +37,17 @@ whenever every started iteration has finished the runtime is at a consistent poi
 checkpoint holds the contributions of periods not yet averaged.
 """
 
+import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
-from layup_jax import collectives
+from layup_jax import collectives, optim
 from layup_jax.algorithms.base import init_model
 from layup_jax.data import Dataset, TrainStreams
 from layup_jax.errors import ConfigError
@@ -47,29 +60,118 @@ from layup_jax.stages import StagedModel
 PyTree = Any
 
 
-def sync_step(stacked_params, stacked_state, anchor, outer_state, *, like_params, like_state,
-              num_devices: int, outer_tx: optax.GradientTransformation | None, outer: bool):
-  """The device average of params and state, and the anchor after an optional outer step."""
+class OuterStep(Protocol):
+  """An outer optimizer: the anchor's step from the consensus of the devices' models."""
+
+  def init(self, params: PyTree) -> PyTree: ...
+
+  def step(self, anchor: PyTree, average: PyTree, state: PyTree,
+           learning_rate: jax.Array) -> tuple[PyTree, PyTree]:
+    """`(new anchor, new state)`; `learning_rate` is the base optimizer's at the boundary."""
+
+
+def _zeros(params: PyTree) -> PyTree:
+  return jax.tree.map(jnp.zeros_like, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowMo:
+  """fairscale's SlowMoDistributedDataParallel (Wang et al. 2020, Algorithm 1): the slow
+  momentum buffer holds the pseudo-gradient divided by the base learning rate, and the slow step
+  multiplies it back, so a decaying learning rate decays the slow step with it.
+  At a learning rate of 0 the pseudo-gradient is left out (fairscale would divide by 0)."""
+
+  slow_lr: float
+  slow_momentum: float
+
+  def init(self, params):
+    return _zeros(params)
+
+  def step(self, anchor, average, momentum, learning_rate):
+    live = learning_rate > 0
+    scale = jnp.where(live, 1.0 / jnp.where(live, learning_rate, 1.0), 0.0)
+    momentum = jax.tree.map(lambda m, a, x: self.slow_momentum * m + scale * (a - x),
+                            momentum, anchor, average)
+    anchor = jax.tree.map(lambda a, m: a - self.slow_lr * learning_rate * m, anchor, momentum)
+    return anchor, momentum
+
+
+@dataclasses.dataclass(frozen=True)
+class CO2Outer:
+  """The CO2 fork's outer step (co2.py, `_perform_local_optimization`): momentum
+  `m <- outer_momentum m + (old - average)`, clipped elementwise to [-clip, clip] (`_co2_clip`,
+  which the fork calls on the momentum buffer; clip 0: none), then `old <- old - outer_lr m`.
+  No learning-rate scaling, unlike SlowMo."""
+
+  slow_lr: float
+  slow_momentum: float
+  clip: float
+
+  def init(self, params):
+    return _zeros(params)
+
+  def step(self, anchor, average, momentum, learning_rate):
+    del learning_rate
+
+    def update(m, a, x):
+      m = self.slow_momentum * m + (a - x)
+      return jnp.clip(m, -self.clip, self.clip) if self.clip else m
+
+    momentum = jax.tree.map(update, momentum, anchor, average)
+    anchor = jax.tree.map(lambda a, m: a - self.slow_lr * m, anchor, momentum)
+    return anchor, momentum
+
+
+@dataclasses.dataclass(frozen=True)
+class OptaxOuter:
+  """An Optax optimizer on the pseudo-gradient `anchor - average` (DiLoCo: Nesterov SGD)."""
+
+  tx: optax.GradientTransformation
+
+  def init(self, params):
+    return self.tx.init(params)
+
+  def step(self, anchor, average, state, learning_rate):
+    del learning_rate
+    pseudo_grad = jax.tree.map(lambda a, x: a - x, anchor, average)
+    updates, state = self.tx.update(pseudo_grad, state, anchor)
+    return optax.apply_updates(anchor, updates), state
+
+
+def sync_step(stacked_params, stacked_state, base, previous, anchor, outer_state, learning_rate,
+              *, like_params, like_state, num_devices: int, outer: OuterStep | None,
+              outer_now: bool, lagged: bool, mix_state: bool):
+  """Boundary b's result from the devices' models y_b^i:
+
+  consensus = previous + mean_i(y_b^i) - base when `lagged` (CO2), with `base` the model every
+  device started the period from and `previous` R_{b-1}; the plain average otherwise (they
+  are the same array). Then the outer step when `outer_now`.
+  Returns `(result, anchor, outer_state, average_state)`.
+  """
   average = collectives.device_mean(stacked_params, like_params, num_devices)
-  average_state = collectives.device_mean(stacked_state, like_state, num_devices)
-  if outer_tx is None or not outer:
-    return average, outer_state, average_state
-  pseudo_grad = jax.tree.map(lambda a, b: a - b, anchor, average)
-  updates, outer_state = outer_tx.update(pseudo_grad, outer_state, anchor)
-  return optax.apply_updates(anchor, updates), outer_state, average_state
+  consensus = (jax.tree.map(lambda p, x, b: p + (x - b), previous, average, base) if lagged
+               else average)
+  average_state = (collectives.device_mean(stacked_state, like_state, num_devices) if mix_state
+                   else ())
+  if outer is None or not outer_now:
+    return consensus, anchor, outer_state, average_state
+  anchor, outer_state = outer.step(anchor, consensus, outer_state, learning_rate)
+  return anchor, anchor, outer_state, average_state
 
 
 class PeriodicAveraging(LocalStepsExchange):
   """Local steps, then exact global averages every `tau` iterations (see the module doc)."""
 
-  def __init__(self, links: Links, *, tau: int, out_freq: int,
-               outer_tx: optax.GradientTransformation | None, lag: int):
+  def __init__(self, links: Links, *, tau: int, out_freq: int, outer: OuterStep | None,
+               lag: int, learning_rate: Callable[[int], float] = lambda step: 1.0):
     super().__init__(links)
     if tau < 1 or out_freq % tau:
       raise ValueError(f"out_freq={out_freq} must be a positive multiple of tau={tau}")
     self.tau, self.out_freq, self.lag = tau, out_freq, lag
+    self._learning_rate = learning_rate
     store = self.store
     self.num_devices, self.num_stages = store.num_devices, store.num_stages
+    self._mix_state = links.options.bn_policy == "mix"
     self._mesh = collectives.DeviceMesh([r.device for r in store.replicas])
     self._sync = PeriodSync(self.num_devices, self._average, links.stopped)
     self._finished = [0] * self.num_devices  # iterations whose updates device i has applied
@@ -77,27 +179,36 @@ class PeriodicAveraging(LocalStepsExchange):
     self._contributions: dict[int, list] = {}
     first = store.replicas[0]
     self._anchor = self._mesh.replicate(list(first.params))
-    self._outer_tx = outer_tx
-    self._outer_state = self._mesh.replicate(outer_tx.init(list(first.params))) if outer_tx \
-        else ()
+    self._outer = outer
+    self._outer_state = self._mesh.replicate(outer.init(list(first.params))) if outer else ()
+    # R_p per boundary p, replicated over the mesh, and its per-device copies with the state.
+    self._global = {0: self._anchor}
     self._results = {0: ([list(r.params) for r in store.replicas],
-                         [list(r.state) for r in store.replicas])}
+                         [list(r.state) for r in store.replicas] if self._mix_state else None)}
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                         (list(first.params), list(first.state)))
-    out = (self._mesh.replicated,) * 3
+    out = (self._mesh.replicated,) * 4
     self._sync_steps = {
-        outer: jax.jit(lambda p, st, a, o, outer=outer: sync_step(
-            p, st, a, o, like_params=like[0], like_state=like[1],
-            num_devices=self.num_devices, outer_tx=outer_tx, outer=outer), out_shardings=out)
-        for outer in (False, True)
+        outer_now: jax.jit(functools.partial(
+            sync_step, like_params=like[0], like_state=like[1], num_devices=self.num_devices,
+            outer=outer, outer_now=outer_now, lagged=bool(lag), mix_state=self._mix_state),
+            out_shardings=out)
+        for outer_now in (False, True)
     }
+
+  def _sync_arguments(self, params, state, period: int) -> tuple:
+    base = self._global[max(period - 1 - self.lag, 0)]
+    previous = self._global[period - 1]
+    learning_rate = jax.device_put(jnp.float32(self._learning_rate(period * self.tau - 1)),
+                                   self._mesh.replicated)
+    return (params, state, base, previous, self._anchor, self._outer_state, learning_rate)
 
   def compile(self) -> None:
     replicas = self.store.replicas
     params = self._mesh.stack([list(r.params) for r in replicas])
     state = self._mesh.stack([list(r.state) for r in replicas])
     for step in self._sync_steps.values():
-      jax.block_until_ready(step(params, state, self._anchor, self._outer_state))
+      jax.block_until_ready(step(*self._sync_arguments(params, state, 1)))
 
   # --- the period boundary ----------------------------------------------------------------------
 
@@ -106,22 +217,24 @@ class PeriodicAveraging(LocalStepsExchange):
     contributions = self._contributions.pop(period)
     params = self._mesh.stack([c[0] for c in contributions])
     state = self._mesh.stack([c[1] for c in contributions])
-    # Between outer steps the models are averaged and the anchor stays where it is.
-    outer = self._outer_tx is not None and (period * self.tau) % self.out_freq == 0
-    models, self._outer_state, average_state = self._sync_steps[outer](
-        params, state, self._anchor, self._outer_state)
-    if outer:
-      self._anchor = models
-    self._results[period] = (self._mesh.unstack(models), self._mesh.unstack(average_state))
+    outer_now = self._outer is not None and (period * self.tau) % self.out_freq == 0
+    result, self._anchor, self._outer_state, average_state = self._sync_steps[outer_now](
+        *self._sync_arguments(params, state, period))
+    self._global[period] = result
+    self._results[period] = (self._mesh.unstack(result),
+                             self._mesh.unstack(average_state) if self._mix_state else None)
+    # R_{b-1} stays: the base of boundary b+1 under CO2's lag, and the reset at b.
+    self._global.pop(period - 2, None)
     self._results.pop(period - 2, None)
     if self.lag == 0:
       for k in range(self.num_devices):
         self._reset(k, period, period)
 
   def _reset(self, k: int, boundary: int, period: int) -> None:
-    """Device k's model <- the models of `period`'s result, for boundary `boundary`."""
+    """Device k's model <- `period`'s result (its BatchNorm state too under "mix"), for
+    boundary `boundary`."""
     params, state = self._results[period]
-    self.store.reset(k, params[k], state[k])
+    self.store.reset(k, params[k], state[k] if state is not None else None)
     self._applied[k] = boundary
 
   def end(self, i, context) -> None:
@@ -164,7 +277,7 @@ class PeriodicAveraging(LocalStepsExchange):
   # --- checkpoints --------------------------------------------------------------------------------
 
   def _model_arrays(self, params, state) -> dict[str, list]:
-    return {"params": list(params), "state": list(state)}
+    return {"params": list(params), "state": list(state) if state is not None else []}
 
   def state_dict(self):
     slots = [(p, k) for p, models in sorted(self._contributions.items())
@@ -173,7 +286,7 @@ class PeriodicAveraging(LocalStepsExchange):
     arrays = {
         "anchor": self._anchor, "outer_state": self._outer_state,
         # Averages are replicated: one copy each (period 0's are the identical initial models).
-        "results": [self._model_arrays(self._results[p][0][0], self._results[p][1][0])
+        "results": [self._model_arrays(self._results[p][0][0], (self._results[p][1] or [None])[0])
                     for p in periods],
         "contributions": [self._model_arrays(*self._contributions[p][k]) for p, k in slots],
     }
@@ -195,11 +308,13 @@ class PeriodicAveraging(LocalStepsExchange):
     self._check_resumable(meta, len(meta["finished"]))
     replicas = self.store.replicas
     model = self._model_arrays(replicas[0].params, replicas[0].state)
+    result = self._model_arrays(replicas[0].params, replicas[0].state if self._mix_state
+                                else None)
     like = lambda tree: jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
     return {
         "anchor": like(self._anchor), "outer_state": like(self._outer_state),
-        "results": device_arrays_like(model, lambda j: replicas[0].device,
+        "results": device_arrays_like(result, lambda j: replicas[0].device,
                                       len(meta["result_periods"])),
         "contributions": [device_arrays_like(model, lambda j, k=k: replicas[
             k % self.num_devices].device, 1)[0] for _, k in meta["contribution_slots"]],
@@ -216,8 +331,11 @@ class PeriodicAveraging(LocalStepsExchange):
     self._outer_state = jax.device_put(arrays["outer_state"], self._mesh.replicated)
     self._results = {
         p: ([jax.device_put(model["params"], r.device) for r in replicas],
-            [jax.device_put(model["state"], r.device) for r in replicas])
+            [jax.device_put(model["state"], r.device) for r in replicas] if self._mix_state
+            else None)
         for p, model in zip(meta["result_periods"], arrays["results"])}
+    self._global = {p: self._mesh.replicate(model["params"])
+                    for p, model in zip(meta["result_periods"], arrays["results"])}
     self._contributions = {}
     for (p, k), model in zip(meta["contribution_slots"], arrays["contributions"]):
       self._contributions.setdefault(p, [None] * count)[k] = (list(model["params"]),
@@ -227,30 +345,35 @@ class PeriodicAveraging(LocalStepsExchange):
                         for p, models in self._contributions.items()})
 
 
-def _outer_tx(config: ml_collections.ConfigDict) -> optax.GradientTransformation | None:
+def make_outer(config: ml_collections.ConfigDict) -> OuterStep | None:
+  """The outer optimizer of `config.algorithm` (None for Local SGD)."""
   b = config.baselines
-  slowmo = optax.sgd(b.slow_lr, momentum=b.slow_momentum or None)
   return {
       "local_sgd": None,
-      "slowmo": slowmo,
-      "co2": optax.chain(optax.clip_by_global_norm(b.co2_clip), slowmo),
-      "diloco": optax.sgd(b.outer_lr, momentum=b.outer_momentum, nesterov=True),
+      "slowmo": SlowMo(b.slow_lr, b.slow_momentum),
+      "co2": CO2Outer(b.slow_lr, b.slow_momentum, b.co2_clip),
+      "diloco": OptaxOuter(optax.sgd(b.outer_lr, momentum=b.outer_momentum, nesterov=True)),
   }[config.algorithm]
 
 
-def make_exchange(*, tau: int, out_freq: int, outer_tx: optax.GradientTransformation | None,
-                  lag: int):
-  """The exchange factory `AsyncRuntime` takes, for one periodic-averaging algorithm."""
-  return functools.partial(PeriodicAveraging, tau=tau, out_freq=out_freq, outer_tx=outer_tx,
-                           lag=lag)
+def make_exchange(*, tau: int, out_freq: int, outer: OuterStep | None, lag: int,
+                  learning_rate: Callable[[int], float] = lambda step: 1.0):
+  """The exchange factory `AsyncRuntime` takes, for one periodic-averaging algorithm;
+  `learning_rate(step)` is the base optimizer's schedule (SlowMo scales by it)."""
+  return functools.partial(PeriodicAveraging, tau=tau, out_freq=out_freq, outer=outer, lag=lag,
+                           learning_rate=learning_rate)
 
 
 def build(config: ml_collections.ConfigDict, model: StagedModel,
           tx: optax.GradientTransformation, devices: Sequence[jax.Device],
           dataset: Dataset | TrainStreams) -> AsyncRuntime:
   params, state = init_model(config, model, dataset.example_batch)
-  options = RuntimeOptions.from_config(config).replace(bn_policy="mix")
+  steps_per_epoch = getattr(dataset, "steps_per_epoch", 0)  # benchmark streams have none
+  schedule = optim.make_schedule(config.optimizer,
+                                 config.num_steps or config.num_epochs * steps_per_epoch,
+                                 steps_per_epoch)
   exchange = make_exchange(tau=config.baselines.tau, out_freq=config.baselines.out_freq,
-                           outer_tx=_outer_tx(config), lag=1 if config.algorithm == "co2" else 0)
+                           outer=make_outer(config), lag=1 if config.algorithm == "co2" else 0,
+                           learning_rate=lambda step: float(schedule(step)))
   return AsyncRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,
-                      exchange, options)
+                      exchange, RuntimeOptions.from_config(config))
