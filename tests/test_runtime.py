@@ -424,7 +424,7 @@ def test_a_straggler_does_fewer_iterations_than_the_others(mode, algorithm):
   assert sum(iterations) == 240
   # At delay 3 the straggler's iteration takes about 4 of the others'. LayUp and GoSGD never
   # wait for it (measured ratios 0.09-0.21). AD-PSGD's pairwise average reads both models as
-  # they stand once computed (Lian et al. 2018, Algorithm 1, line 4), so a fast device whose
+  # they stand once computed (Lian et al. 2018, Algorithm 1), so a fast device whose
   # peer is the straggler waits for the work queued on the straggler's device: in device mode
   # the fast updaters spent 3.2 s of a 1.4 s run (summed over 3) in such averages, and the
   # ratio measured 0.45-0.62 in 9 runs (2026-11-24, 2-core CPU). docs/runtime.md reports it.

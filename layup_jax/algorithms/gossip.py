@@ -6,10 +6,10 @@ push-sum weights follow `layup.push_sum` as LayUp's do (per stage by default: ea
 exact push-sum instance; per model: one weight per device, added to the peer after the last
 stage).
 
-AD-PSGD (Lian et al. 2018, Algorithm 1): a device computes its gradient on its local model
-(line 2-3), averages its model with one random peer, both keeping the average (line 4), and
-only then applies the gradient to the averaged model (line 5): the gradient stays with the
-device that computed it. Here the average and the step go stage by stage as the gradients
+AD-PSGD (Lian et al. 2018, ICML, Algorithm 1): a device computes its gradient on its local
+model, averages its model with one random peer, both keeping the average, and only then
+applies the gradient to the averaged model: the gradient stays with the device that computed
+it. Here the average and the step go stage by stage as the gradients
 arrive, each stage averaged before its gradient is applied; the average of each stage is one
 atomic pairwise step of the replica store (`ReplicaStore.average_pair`): the sum of all models
 is kept whatever local steps land meanwhile.
@@ -49,7 +49,7 @@ class GoSGD(LocalStepsExchange):
 
 class ADPSGD(LocalStepsExchange):
   """Per stage, as its gradient arrives: averaged with the peer's (both keep the average), then
-  the gradient applied to the average (Algorithm 1, lines 4-5)."""
+  the gradient applied to the average (Algorithm 1's last two steps)."""
 
   def begin(self, i: int) -> int | None:
     return self.peers.pick(i)

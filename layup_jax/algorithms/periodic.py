@@ -99,9 +99,11 @@ class SlowMo:
 @dataclasses.dataclass(frozen=True)
 class CO2Outer:
   """The CO2 fork's outer step (co2.py, `_perform_local_optimization`): momentum
-  `m <- outer_momentum m + (old - average)`, clipped elementwise to [-clip, clip] (`_co2_clip`,
-  which the fork calls on the momentum buffer; clip 0: none), then `old <- old - outer_lr m`.
-  No learning-rate scaling, unlike SlowMo."""
+  `m <- outer_momentum m + (old - average)`, clipped elementwise to [-clip, clip] (clip 0:
+  none), then `old <- old - outer_lr m`. No learning-rate scaling, unlike SlowMo. The fork's
+  `_co2_clip` calls `torch.clamp` on the momentum buffer and discards the result, so its clip
+  (off by default there) changes nothing; here it clips, as Sun et al. describe and at the
+  LayUp paper's threshold 1.0."""
 
   slow_lr: float
   slow_momentum: float
