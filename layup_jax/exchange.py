@@ -76,7 +76,15 @@ class Links:
 class Exchange(Protocol):
   """An algorithm's decisions per iteration (module docstring). `on_stage` returns the array
   whose readiness marks the stage's update as landed (the merged stage on the peer, or the
-  local update), for the update-latency metric, or None when the stage is not timed."""
+  local update), for the update-latency metric, or None when the stage is not timed.
+
+  With `fuses_local_step`, the runtime applies each stage's local step itself, in the program
+  of the stage's backward (`ReplicaStore.backward_step`), and `on_stage` gets `grads=None`: the
+  stage's params are then already updated. An algorithm whose step must wait for something
+  else (AD-PSGD averages first) leaves it False and applies the gradient in `on_stage`.
+  """
+
+  fuses_local_step: bool
 
   def begin(self, i: int) -> Any: ...
 
@@ -107,6 +115,8 @@ class StatelessExchange:
   """Defaults for an exchange that never waits before an iteration and keeps no state of its
   own beyond the replicas."""
 
+  fuses_local_step = False
+
   def __init__(self, links: Links):
     self.links, self.store, self.peers = links, links.store, links.peers
 
@@ -131,10 +141,15 @@ class StatelessExchange:
 
 class LocalStepsExchange(StatelessExchange):
   """An exchange whose stages only take local steps as their gradients arrive; what it does
-  with the whole model comes in `end` (GoSGD, AD-PSGD, the periodic baselines)."""
+  with the whole model comes in `end` (GoSGD, AD-PSGD, the periodic baselines). The local
+  steps run in the backward's programs."""
+
+  fuses_local_step = True
 
   def begin(self, i: int) -> None:
     return None
 
-  def on_stage(self, i: int, context: Any, s: int, grads: PyTree, step: jax.Array) -> None:
-    self.store.local_step(i, s, grads, step)
+  def on_stage(self, i: int, context: Any, s: int, grads: PyTree | None,
+               step: jax.Array) -> None:
+    if grads is not None:
+      self.store.local_step(i, s, grads, step)

@@ -111,9 +111,10 @@ class ReplicaStore:
       self._unpack = [jax.jit(k.unpack) for k in self.packings]
       self._unpack_state = [jax.jit(k.unpack) if k else (lambda st: st)
                             for k in self._state_packings]
+    step_fn = functools.partial(local_update, tx, skip_nonfinite=self._skip_nonfinite)
     self.steps = make_stage_steps(model, keep_finite_state=self._skip_nonfinite,
                                   packings=self.packings, state_packings=self._state_packings,
-                                  remat=options.remat)
+                                  remat=options.remat, update=step_fn)
     # Donated: the Optax state and the gradient, which only the update reads (the new params
     # take the gradient's buffer), and the received copy of a peer's stage (the merge's output
     # takes its buffer). Params are never donated: forwards, backwards and sends read them.
@@ -204,6 +205,26 @@ class ReplicaStore:
     order.append(s)
     self._open_checks[i] = (order, so_far)
     return new_params
+
+  def backward_step(self, i: int, s: int, vjp: PyTree, x: PyTree, dy: PyTree,
+                    tied_grad: PyTree | None, step: jax.Array) -> tuple[PyTree, PyTree]:
+    """Stage s's backward and Algorithm 1's local update in one program (s below the loss
+    stage): the backward reads the newest x_{i,s}, as `staged_pass` always has it read, and the
+    update applies to that same version in the same atomic write, so it is `local_step` on the
+    newest params with the gradient computed in place. Returns `(new params, dx)`."""
+    replica = self.replicas[i]
+    order, so_far = self._open_checks[i]
+    with self._locks[i][s]:
+      replica.params[s], replica.opt_state[s], so_far, dx = self.steps.backward_update[s](
+          vjp, (replica.params[s], x), dy, replica.opt_state[s], step, so_far, tied_grad)
+      new_params = replica.params[s]
+    order.append(s)
+    self._open_checks[i] = (order, so_far)
+    return new_params, dx
+
+  def local_steps(self, i: int, step: jax.Array) -> "StoreLocalSteps":
+    """`staged_pass`'s `local_step` for device i's iteration at the run's `step`."""
+    return StoreLocalSteps(self, i, step)
 
   def take(self, i: int, s: int, halve: bool) -> tuple[PyTree, float | None]:
     """Stage s of device i as it is now, to send, and (`halve`: per-stage push-sum) the amount
@@ -340,6 +361,11 @@ class ReplicaStore:
       outputs.append(self.merge_fn(part, copy(part), np.float32(0.5)))
     return outputs
 
+  def compile_local_steps(self, i: int, step: jax.Array, outputs: list) -> "CompileLocalSteps":
+    """A `local_step` for `staged_pass` that runs the fused backward-and-update functions on
+    device i without changing the replica, appending their outputs to `outputs`."""
+    return CompileLocalSteps(self, i, step, outputs)
+
   def compile_pair_average(self) -> list:
     """Runs `average_pair`'s correction once per stage on every device."""
     return [self._toward_average(part, part, part)
@@ -390,3 +416,40 @@ class ReplicaStore:
         replica.stage_keys = [jax.device_put(jax.random.wrap_key_data(d), replica.device)
                               for d in arrays["stage_keys"][k]]
     return source
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLocalSteps:
+  """Device i's local updates dispatched from its backward pass (`stages.LocalStep`)."""
+
+  store: ReplicaStore
+  i: int
+  step: jax.Array
+
+  def backward(self, s, vjp, x, dy, tied_grad):
+    return self.store.backward_step(self.i, s, vjp, x, dy, tied_grad, self.step)
+
+  def apply(self, s, grads):
+    return self.store.local_step(self.i, s, grads, self.step)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileLocalSteps:
+  """The fused functions run once on copies (donated arguments), the replica unchanged."""
+
+  store: ReplicaStore
+  i: int
+  step: jax.Array
+  outputs: list
+
+  def backward(self, s, vjp, x, dy, tied_grad):
+    replica = self.store.replicas[self.i]
+    opt_state = jax.tree.map(jnp.copy, replica.opt_state[s])
+    params, opt_state, so_far, dx = self.store.steps.backward_update[s](
+        vjp, (replica.params[s], x), dy, opt_state, self.step, self.store._no_check[self.i],
+        tied_grad)
+    self.outputs.extend([params, opt_state, so_far])
+    return params, dx
+
+  def apply(self, s, grads):
+    return grads

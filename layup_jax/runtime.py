@@ -6,8 +6,13 @@ every write to them are the `ReplicaStore`'s (layup_jax/replicas.py).
 
 Compute thread i: forward stage by stage, each stage reading device i's *current* params when it
 is dispatched (so updates that land mid-forward are used), then the stage VJPs in reverse order,
-handing each stage's gradient to updater i as soon as it is dispatched, with the run's global
-step at the iteration's start (which drives the learning-rate schedule).
+handing each stage to updater i as soon as it is dispatched, with the run's global step at the
+iteration's start (which drives the learning-rate schedule). Where the exchange allows it
+(`Exchange.fuses_local_step`: LayUp, GoSGD, the periodic baselines) each stage's local update
+is in the program of its backward, and what is handed over is the updated stage; else
+(AD-PSGD) the gradient, which the updater applies. Fusing saves a program launch per stage and
+the gradient's memory; the host's time per iteration is what feeds a fast device
+(scripts/bench_host.py).
 
 Updater thread i: per iteration `begin`, `on_stage` as each gradient arrives, `end`, then the
 iteration counts as finished. An updater never waits for another device's work (sends wait for
@@ -54,6 +59,7 @@ from layup_jax.straggler import IterationClock
 PyTree = Any
 CHECKPOINT_FORMAT = 2  # per-stage push-sum weights, step-driven schedules
 _POLL_S = 0.05  # how often blocked threads look at the stop event
+_UPDATER_CLOSES = object()  # a handed-over stage whose iteration's checks the updater closes
 
 
 class WorkerError(RuntimeError):
@@ -235,6 +241,7 @@ class AsyncRuntime:
     self._stop = threading.Event()
     self.exchange = make_exchange(Links(self.store, self.outboxes, self.peers, options,
                                         self._stop.is_set))
+    self._fused = getattr(self.exchange, "fuses_local_step", False)
     self._clocks = [IterationClock(options.delay_of(i), options.straggler_mode, device)
                     for i, device in enumerate(devices)]
     self._losses: list[list[float]] = [[] for _ in devices]
@@ -258,9 +265,12 @@ class AsyncRuntime:
 
   # --- one iteration's pieces, shared by the serial and the threaded modes --------------------
 
-  def _compute_iteration(self, i: int, index: int, emit: Callable[[int, PyTree, Any], None]):
+  def _compute_iteration(self, i: int, index: int,
+                         emit: Callable[[int, PyTree, Any, Any], None]):
     """Forward and backward pass of device i, the run's iteration `index`; `emit(stage,
-    grads, step)` as each gradient appears. Returns the loss and stage 0's gradients."""
+    grads, step, closed)` as each gradient appears (with fused local steps: the updated params,
+    and with stage 0 the iteration's closed finiteness check; else `_UPDATER_CLOSES`). Returns
+    the loss and stage 0's output."""
     store, replica = self.store, self.store.replicas[i]
     batch = next(self._train_batches[i])
     x, labels, iteration, step = transfer.to_device(
@@ -271,10 +281,14 @@ class AsyncRuntime:
     def at_stage(stage_idx: int) -> None:
       self._position["compute", i] = stage_idx
 
+    def emit_stage(s: int, out: PyTree) -> None:
+      closed = store.close_checks(i) if self._fused and s == 0 else _UPDATER_CLOSES
+      emit(s, out, step, closed)
+
     return staged_pass(self._model, store.steps, lambda s: store.params(i, s),
                        lambda s, forward: store.run_forward(i, s, forward), x, labels,
-                       replica.stage_keys, iteration, lambda s, g: emit(s, g, step),
-                       on_stage=at_stage)
+                       replica.stage_keys, iteration, emit_stage, on_stage=at_stage,
+                       local_step=store.local_steps(i, step) if self._fused else None)
 
   def _apply_iteration(self, i: int, next_gradient: Callable[[], tuple]) -> None:
     """Updater i's part of one iteration: the exchange's begin, on_stage per gradient, end."""
@@ -283,19 +297,20 @@ class AsyncRuntime:
     self.outboxes[i].watch = timed
     context = None
     for count in range(self.num_stages):
-      s, grads, step = next_gradient()
+      s, out, step, closed = next_gradient()
       if count == 0:
         context = self.exchange.begin(i)
       self._position["updater", i] = s
       if timed:
-        jax.block_until_ready(grads)
+        jax.block_until_ready(out)  # the gradient, or the updated stage
         start = time.perf_counter()
-      landed = self.exchange.on_stage(i, context, s, grads, step)
+      landed = self.exchange.on_stage(i, context, s, None if self._fused else out, step)
       if timed and landed is not None:
         self._landings[i].put((s, start, landed))
     self.exchange.end(i, context)
     self._position["updater", i] = None
-    closed = self.store.close_checks(i)
+    if closed is _UPDATER_CLOSES:
+      closed = self.store.close_checks(i)
     if closed is not None:
       checks.pending.append((checks.applied, *closed))
     checks.applied += 1
@@ -335,7 +350,7 @@ class AsyncRuntime:
     index = self._budget.start_now()
     grads: dict[int, tuple] = {}
     iteration = self.store.replicas[i].iteration
-    loss, _ = self._compute_iteration(i, index, lambda s, g, step: grads.__setitem__(s, (g, step)))
+    loss, _ = self._compute_iteration(i, index, lambda s, *out: grads.__setitem__(s, out))
     self._record_loss(i, iteration, float(loss))
     in_backward_order = iter([(s, *grads[s]) for s in reversed(range(self.num_stages))])
     self._apply_iteration(i, lambda: next(in_backward_order))
@@ -366,6 +381,11 @@ class AsyncRuntime:
                             states_in(state), inputs, targets, replica.stage_keys, iteration,
                             grads.__setitem__)
       outputs += [loss, state]  # not the gradients: their updates take them
+      if self._fused:
+        staged_pass(self._model, self.store.steps, replica.params.__getitem__,
+                    states_in(list(replica.state)), inputs, targets, replica.stage_keys,
+                    iteration, lambda s, out: None,
+                    local_step=self.store.compile_local_steps(i, iteration, outputs))
       outputs += self.store.compile_writes(i, iteration, grads)
     if self.options.max_sends_in_flight:
       outputs += outbox.compile_landed(self.store)
@@ -406,12 +426,12 @@ class AsyncRuntime:
       clock.start_iteration(idle=self._stop.wait)
       iteration = self.store.replicas[i].iteration
 
-      def emit(s: int, grads: PyTree, step) -> None:
-        if s == 0:  # the backward pass's last output (the updater will donate it)
-          clock.end_iteration(grads)
-        self._hand_over(i, (s, grads, step))
+      def emit(s: int, out: PyTree, step, closed) -> None:
+        if s == 0:  # the backward pass's last output
+          clock.end_iteration(out)
+        self._hand_over(i, (s, out, step, closed))
 
-      loss, _ = self._compute_iteration(i, index, emit)
+      loss = self._compute_iteration(i, index, emit)[0]  # holds no stage past the iteration
       pending.append((iteration, loss))
       # Bound how far this thread dispatches ahead of its device (the loss is ready once the
       # forward pass of that iteration has run).

@@ -10,7 +10,7 @@ jitted VJP per stage in reverse order, handing each stage's gradient to the upda
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
@@ -193,6 +193,11 @@ class StageSteps:
                         (grads, None) so that XLA drops the unused input gradient.
   add_tied[s]:          (grads, tied_grad) -> grads, for the owner stage of a tie.
   read_tied[s]:         (owner's params) -> the tied array, for the consumer stage of a tie.
+  backward_update[s]:   (vjp, (params, x), dy, opt_state, step, first_nonfinite, tied_grad)
+                        -> (new params, new opt_state, first_nonfinite, dx): the backward and
+                        the stage's local update in one program (with `update`; else empty),
+                        so the gradient is never a separate array; `tied_grad` is None but
+                        for a tie's owner. The Optax state is donated.
   `vjp` is a `PackedResiduals`: with `packings` the VJP's arrays in one buffer per dtype.
   A consumer stage's `x` and `dx` are `(activation, tied array)` pairs. Stages whose modules are
   equal (the repeated blocks of a ResNet or GPT-2) share one jitted function, so each compiles
@@ -205,17 +210,20 @@ class StageSteps:
   backward: tuple[Callable, ...]
   add_tied: dict[int, Callable]
   read_tied: dict[int, Callable] = dataclasses.field(default_factory=dict)
+  backward_update: tuple[Callable, ...] = ()
 
 
 def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
                      packings: Sequence[StagePacking] | None = None,
                      state_packings: Sequence[StagePacking | None] | None = None,
-                     remat: str = "none") -> StageSteps:
+                     remat: str = "none", update: Callable | None = None) -> StageSteps:
   """The jitted per-stage functions; `keep_finite_state` keeps a stage's old BatchNorm
   statistics wherever a batch made the new ones non-finite (for skipped non-finite steps);
   `packings` (one per stage) makes them take and return flat params and gradients, and
   `state_packings` flat state (None for a stage without state); `remat` names what a forward
-  keeps for its backward (`REMAT_POLICIES`)."""
+  keeps for its backward (`REMAT_POLICIES`); `update(params, opt_state, grads, step,
+  first_nonfinite) -> (params, opt_state, first_nonfinite)`, a stage's local step, adds the
+  fused `backward_update` functions."""
   if remat not in REMAT_POLICIES:
     raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
   last = model.num_stages - 1
@@ -280,8 +288,31 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   def make_read_tied(tie):
     return jax.jit(lambda params: tree_get(unpack[tie.owner](params), tie.path))
 
+  def make_backward_update(s):
+    tie = next((t for t in model.ties if t.owner == s), None)
+
+    def backward_update(vjp, inputs, dy, opt_state, step, first_nonfinite, tied_grad):
+      grads, dx = unpack_residuals(vjp, inputs)(dy)
+      if tie is not None:
+        grads = pack[s](tree_add_at(unpack[s](grads), tie.path, tied_grad))
+      params, opt_state, first_nonfinite = update(inputs[0], opt_state, grads, step,
+                                                  first_nonfinite)
+      return params, opt_state, first_nonfinite, (None if s == 0 else dx)
+
+    return jax.jit(backward_update, donate_argnums=(3,))
+
+  fused: dict[tuple[bool, int | None], Callable] = {}
+
+  def shared_backward_update(s):  # one function for every stage but the first and tie owners
+    key = (s == 0, s if any(t.owner == s for t in model.ties) else None)
+    if key not in fused:
+      fused[key] = make_backward_update(s)
+    return fused[key]
+
   backward_jit, first_backward_jit = jax.jit(backward), jax.jit(first_backward)
   return StageSteps(
+      backward_update=(tuple(shared_backward_update(s) for s in range(last)) if update
+                       else ()),
       forward=tuple(shared_forward(s) for s in range(last)),
       loss=jax.jit(loss),
       backward=tuple(first_backward_jit if s == 0 else backward_jit for s in range(last)),
@@ -301,6 +332,7 @@ def staged_pass(
     iteration: jax.Array,
     emit: Callable[[int, PyTree], None],
     on_stage: Callable[[int], None] = lambda stage_idx: None,
+    local_step: "LocalStep | None" = None,
 ):
   """One forward and backward pass, dispatched stage by stage (paper Algorithm 1, compute side).
 
@@ -310,6 +342,11 @@ def staged_pass(
   one atomic write of the replica (`ReplicaStore.run_forward`), `states_in` a list. `emit(s,
   grads)` is called as soon as stage s's gradient is dispatched, last stage first;
   `stage_keys[s]` is `stage_key(key, s)`. Returns `(loss, grads of stage 0)`.
+
+  With `local_step`, each stage's local update is dispatched here, as its gradient appears:
+  the loss stage's right after the loss program (`local_step.apply`), every other stage's in
+  the same program as its backward (`local_step.backward`); `emit` then gets the updated params
+  and the return value holds stage 0's.
   """
   last = model.num_stages - 1
   vjps, inputs = [], []
@@ -347,8 +384,13 @@ def staged_pass(
       # The stage's params as they are now: updates that landed since its forward are used
       # (the paper's "backward pass on different weights", Section 6.1), and no superseded
       # copy of them is kept for the backward.
-      grads, dx = steps.backward[s](vjps[s], (read_params(s), inputs[s]), dx)
+      if local_step is None:
+        grads, dx = steps.backward[s](vjps[s], (read_params(s), inputs[s]), dx)
+      else:
+        grads, dx = local_step.backward(s, vjps[s], inputs[s], dx, tied_grads.pop(s, None))
       vjps[s] = inputs[s] = None  # drop the residuals as soon as they are used
+    elif local_step is not None:
+      grads = local_step.apply(s, grads)
     tie = model.tie_of(s)
     if tie is not None:
       dx, tied_grads[tie.owner] = dx
@@ -356,6 +398,17 @@ def staged_pass(
       grads = steps.add_tied[s](grads, tied_grads.pop(s))
     emit(s, grads)
   return loss, grads
+
+
+class LocalStep(Protocol):
+  """Where `staged_pass` dispatches the local updates (the runtime's replica store)."""
+
+  def backward(self, s: int, vjp: PyTree, x: PyTree, dy: PyTree,
+               tied_grad: PyTree | None) -> tuple[PyTree, PyTree]:
+    """Stage s's backward and local update in one program: `(new params, dx)`."""
+
+  def apply(self, s: int, grads: PyTree) -> PyTree:
+    """Stage s's local update with `grads`: the new params."""
 
 
 def states_in(states: list[PyTree]) -> Callable[[int, Callable], Any]:

@@ -1,6 +1,7 @@
 """The asynchronous runtime: Algorithm 1's invariants in the serial mode and, as it really runs,
 with its threads: no write lost, exact push-sum per stage, no device waiting on another's work."""
 
+import dataclasses
 import gc
 import threading
 import time
@@ -125,9 +126,9 @@ class _Lineage:
   """Counts writes of a stage that replace a version other than the one they were computed
   from: a write computed from version v, stored after another thread stored v', loses v'.
 
-  Wraps the store's update and merge functions to remember which params each new version was
-  computed from, and each replica's params list to check, at every store, that the version it
-  replaces is that one."""
+  Wraps the store's update, fused backward-and-update and merge functions to remember which
+  params each new version was computed from, and each replica's params list to check, at every
+  store, that the version it replaces is that one."""
 
   def __init__(self, store):
     self.derived = {}  # id(new params) -> (new params, the params they were computed from)
@@ -150,7 +151,17 @@ class _Lineage:
       remember(new, old)
       return out
 
+    def traced_backward_update(fn):
+      def traced(vjp, inputs, *args):
+        out = fn(vjp, inputs, *args)
+        remember(out[0], inputs[0])
+        return out
+      return traced
+
     store.update, store.merge_fn = traced_update, traced_merge
+    store.steps = dataclasses.replace(
+        store.steps, backward_update=tuple(map(traced_backward_update,
+                                               store.steps.backward_update)))
     lineage = self
 
     class CheckedList(list):
@@ -283,8 +294,17 @@ def test_no_device_trains_at_learning_rate_zero_before_the_run_ends():
     steps[jax.devices().index(device)].append(step)
     return update(params, opt_state, grads, step, *args)
 
+  def recording(backward_update):  # the stages below the loss stage update in their backward
+    def recorded(vjp, inputs, dy, opt_state, step, *args):
+      steps[jax.devices().index(next(iter(inputs[0].devices())))].append(step)
+      return backward_update(vjp, inputs, dy, opt_state, step, *args)
+    return recorded
+
   runtime.compile()
   runtime.store.update = recording_update
+  runtime.store.steps = dataclasses.replace(
+      runtime.store.steps, backward_update=tuple(map(recording,
+                                                     runtime.store.steps.backward_update)))
   runtime.run_until(4 * num_steps, lambda _: None)
   runtime.close()
   schedule = optim.make_schedule(config, num_steps)
@@ -397,15 +417,37 @@ def test_no_compilation_happens_inside_the_training_loop(algorithm):
 def test_an_exception_in_an_updater_thread_surfaces_with_its_device_and_stage():
   runtime = make_layup_runtime(4)
   runtime.compile()
-  update = runtime.store.update
+  merge = runtime.store.merge_fn
 
-  def failing_update(*args):
+  def failing_merge(*args):  # a merge runs on the sender's updater thread
     if threading.current_thread().name == "layup-updater-2":
       raise FloatingPointError("injected")
-    return update(*args)
+    return merge(*args)
 
-  runtime.store.update = failing_update
-  with pytest.raises(WorkerError, match=r"updater thread of device 2 failed at stage 2: "
+  runtime.store.merge_fn = failing_merge
+  with pytest.raises(WorkerError, match=r"updater thread of device 2 failed at stage \d: "
+                                        r"FloatingPointError: injected"):
+    runtime.run_until(4 * 50, lambda _: None)
+  assert runtime._threads and not [t for t in runtime._threads if t.is_alive()]
+
+
+def test_an_exception_in_a_fused_local_update_surfaces_with_its_device_and_stage():
+  # Below the loss stage, a stage's local update is in its backward's program, on the compute
+  # thread: the first in backward order is stage 1 of the 3-stage model.
+  runtime = make_layup_runtime(4)
+  runtime.compile()
+
+  def failing(backward_update):
+    def run(*args):
+      if threading.current_thread().name == "layup-compute-2":
+        raise FloatingPointError("injected")
+      return backward_update(*args)
+    return run
+
+  runtime.store.steps = dataclasses.replace(
+      runtime.store.steps, backward_update=tuple(map(failing,
+                                                     runtime.store.steps.backward_update)))
+  with pytest.raises(WorkerError, match=r"compute thread of device 2 failed at stage 1: "
                                         r"FloatingPointError: injected"):
     runtime.run_until(4 * 50, lambda _: None)
   assert runtime._threads and not [t for t in runtime._threads if t.is_alive()]

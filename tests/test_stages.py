@@ -1,11 +1,14 @@
 """Chained per-stage VJPs equal `jax.grad` of the composed model, BatchNorm in train mode too."""
 
+import functools
+
 import chex
 import jax
 import numpy as np
+import optax
 import pytest
 
-from layup_jax import models, stages
+from layup_jax import models, replicas, stages
 from layup_jax.data import digits
 from tests.helpers import mlp_model
 
@@ -63,3 +66,50 @@ def test_recomputing_elementwise_work_keeps_a_fraction_of_the_residuals(tiny_con
       total += sum(leaf.nbytes for leaf in jax.tree.leaves(vjp))
     kept[remat] = total
   assert kept["dots"] < 0.4 * kept["none"]
+
+
+def _tiny_gpt2():
+  return models.gpt2.gpt2("tiny", vocab_size=32, max_len=8)
+
+
+def _tokens():
+  tokens = np.random.default_rng(0).integers(0, 32, (4, 9)).astype(np.int32)
+  return tokens[:, :-1], tokens[:, 1:]
+
+
+def test_a_fused_backward_and_update_equals_the_backward_then_the_update():
+  # Stage 0 owns GPT-2's tied embedding: its update must include the head's part of the gradient.
+  model = _tiny_gpt2()
+  inputs, labels = _tokens()
+  params, state = model.init(jax.random.key(0), inputs)
+  tx = optax.adam(0.01)
+  steps = stages.make_stage_steps(model, update=functools.partial(replicas.local_update, tx))
+  key, iteration, step = jax.random.key(1), np.int32(0), np.int32(0)
+  keys = [stages.stage_key(key, s) for s in range(model.num_stages)]
+  grads = [None] * model.num_stages
+  stages.staged_pass(model, steps, params.__getitem__, stages.states_in(list(state)), inputs,
+                     labels, keys, iteration, grads.__setitem__)
+  want = [replicas.local_update(tx, p, tx.init(p), g, step)[:2] for p, g in zip(params, grads)]
+
+  class Fused:
+    def __init__(self):
+      self.params = [None] * model.num_stages
+
+    def backward(self, s, vjp, x, dy, tied_grad):
+      new, opt, _, dx = steps.backward_update[s](vjp, (params[s], x), dy, tx.init(params[s]),
+                                                step, np.int32(-1), tied_grad)
+      self.params[s] = (new, opt)
+      return new, dx
+
+    def apply(self, s, stage_grads):
+      self.params[s] = replicas.local_update(tx, params[s], tx.init(params[s]), stage_grads,
+                                             step)[:2]
+      return self.params[s][0]
+
+  fused = Fused()
+  stages.staged_pass(model, steps, params.__getitem__, stages.states_in(list(state)), inputs,
+                     labels, keys, iteration, lambda s, out: None, local_step=fused)
+  chex.assert_trees_all_close(fused.params, want, atol=1e-6, rtol=1e-5)
+  tied = ("wte", "embedding")
+  moved = np.abs(fused.params[0][0][tied[0]][tied[1]] - params[0][tied[0]][tied[1]]).max()
+  assert moved > 0

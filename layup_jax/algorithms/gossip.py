@@ -49,7 +49,10 @@ class GoSGD(LocalStepsExchange):
 
 class ADPSGD(LocalStepsExchange):
   """Per stage, as its gradient arrives: averaged with the peer's (both keep the average), then
-  the gradient applied to the average (Algorithm 1's last two steps)."""
+  the gradient applied to the average (Algorithm 1's last two steps): the update waits for the
+  average, so it is not fused into the backward."""
+
+  fuses_local_step = False
 
   def begin(self, i: int) -> int | None:
     return self.peers.pick(i)

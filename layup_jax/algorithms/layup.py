@@ -42,7 +42,17 @@ class Iteration:
 
 
 class LayUp(StatelessExchange):
-  """Algorithm 1's updater (module docstring), on the replica store and outboxes."""
+  """Algorithm 1's updater (module docstring), on the replica store and outboxes.
+
+  The local update of each stage runs in the program of its backward, dispatched by the compute
+  thread as the gradient is computed (`ReplicaStore.backward_step`): it applies to the newest
+  x_{i,l} under the same lock a merge takes, as the updater's step did, without a gradient
+  array, a hand-over and a program of its own. The updater's part per layer is then the
+  communication: it sends the updated layer to j once it is computed. The order per layer is
+  Algorithm 1's (local update, then send, then the peer update).
+  """
+
+  fuses_local_step = True
 
   def begin(self, i: int) -> Iteration:
     j = self.peers.pick(i)
@@ -50,7 +60,8 @@ class LayUp(StatelessExchange):
     return Iteration(j, self.store.halve_model_weight(i) if per_model else None)
 
   def on_stage(self, i: int, it: Iteration, s: int, grads, step: jax.Array):
-    updated = self.store.local_step(i, s, grads, step)
+    updated = (self.store.params(i, s) if grads is None
+               else self.store.local_step(i, s, grads, step))
     if it.peer is None:
       return updated
     # Per stage: w_{i,s} is halved as the stage leaves, w_{j,s} grows as it is mixed in.
