@@ -24,6 +24,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.variant = "cifar"  # ResNets: "cifar" (3x3 stem) or "imagenet" (7x7, max-pool)
   config.model.size = "gpt2"  # GPT-2: "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"
   config.model.granularity = "per_block"  # "per_block" or "per_layer" (finer stages)
+  # Consecutive stages run as one (1: the granularity's own stages); fewer stages cost the host
+  # less per iteration, and LayUp then updates and sends each group as one layer.
+  config.model.stages_per_group = 1
   config.model.dtype = "float32"  # compute dtype, "float32" or "bfloat16" (params stay float32)
   config.model.dropout = 0.0  # GPT-2 dropout rate
   config.model.vocab_size = 50257  # token models: vocabulary size

@@ -93,7 +93,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("model.hidden_size", 1), ("model.num_layers", 1), ("model.dropout", 0),
       ("checkpoint.every", 0), ("checkpoint.keep", 1), ("metrics.target_accuracy", 0),
       ("metrics.target_perplexity", 0), ("metrics.latency_every", 0),
-      ("layup.max_sends_in_flight", 0),
+      ("layup.max_sends_in_flight", 0), ("model.stages_per_group", 1),
   ]
   for key, bound in checks:
     _at_least(config, key, bound)
@@ -111,6 +111,9 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _require(config.optimizer.momentum < 1, "optimizer.momentum", config.optimizer.momentum,
            "must be < 1")
   _require(config.model.dropout < 1, "model.dropout", config.model.dropout, "must be < 1")
+  _require(config.model.stages_per_group == 1 or not config.model.get("pretrained"),
+           "model.stages_per_group", config.model.stages_per_group,
+           "must be 1 with model.pretrained (pretrained weights are read stage by stage)")
   _require(0 < config.data.test_fraction < 1, "data.test_fraction", config.data.test_fraction,
            "must be between 0 and 1")
   _require(config.num_steps > 0 or config.num_epochs > 0, "num_steps", config.num_steps,

@@ -181,6 +181,43 @@ class StagedModel:
     return self.loss_fn(logits, labels), new_state
 
 
+class Group(nn.Module):
+  """Consecutive stage modules run as one stage (`group_stages`)."""
+
+  parts: Sequence[nn.Module]
+
+  def __call__(self, x, train: bool = True):
+    for part in self.parts:
+      x = part(x, train=train) if _accepts_train(part) else part(x)
+    return x
+
+
+def group_stages(model: StagedModel, per_group: int) -> StagedModel:
+  """`model` with every `per_group` consecutive stages run as one stage, a tie's consumer always
+  starting a group (it takes `(x, tied array)` as its input).
+
+  Fewer stages mean fewer programs, hand-overs, sends and merges per iteration, so less host
+  time per iteration (scripts/bench_host.py), and coarser layer-wise updates: a stage is what
+  LayUp updates and sends as one. A part's params sit under `parts_<k>` of its group's params.
+  """
+  if per_group < 1:
+    raise ValueError(f"per_group must be >= 1, got {per_group}")
+  if per_group == 1:
+    return model
+  consumers = {tie.consumer for tie in model.ties}
+  groups: list[list[int]] = []
+  for s in range(model.num_stages):
+    if not groups or len(groups[-1]) == per_group or s in consumers:
+      groups.append([])
+    groups[-1].append(s)
+  group_of = {s: g for g, members in enumerate(groups) for s in members}
+  ties = tuple(Tie(owner=group_of[t.owner], consumer=group_of[t.consumer],
+                   path=(f"parts_{groups[group_of[t.owner]].index(t.owner)}", *t.path))
+               for t in model.ties)
+  modules = [Group(tuple(model.modules[s] for s in members)) for members in groups]
+  return StagedModel(tuple(modules), model.loss_fn, ties)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageSteps:
   """The jitted per-stage functions of one model; jit caches one executable per device.

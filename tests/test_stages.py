@@ -77,6 +77,36 @@ def _tokens():
   return tokens[:, :-1], tokens[:, 1:]
 
 
+@pytest.mark.parametrize("model_name", ["resnet", "gpt2"])
+def test_grouped_stages_compute_the_ungrouped_model(tiny_config, model_name):
+  # GPT-2's tied embedding: the head (the tie's consumer) must start a group, and the owner's
+  # array moves under its group's `parts_0`.
+  if model_name == "gpt2":
+    model, (inputs, labels), per_group = _tiny_gpt2(), _tokens(), 2
+  else:
+    model, (inputs, labels), per_group = models.make_model(tiny_config.model), _digits_batch(), 3
+  grouped = stages.group_stages(model, per_group)
+  assert grouped.num_stages == -(-model.num_stages // per_group) + (model_name == "gpt2")
+  params, state = model.init(jax.random.key(0), inputs)
+  members, start = [], 0
+  for module in grouped.modules:
+    members.append(list(range(start, start + len(module.parts))))
+    start += len(module.parts)
+  nest = lambda per_stage: [{f"parts_{k}": per_stage[s] for k, s in enumerate(group)}
+                            for group in members]
+  nest_state = lambda per_stage: [
+      {c: {f"parts_{k}": per_stage[s][c] for k, s in enumerate(group) if c in per_stage[s]}
+       for c in {c for s in group for c in per_stage[s]}} for group in members]
+  key, iteration = jax.random.key(1), np.int32(3)
+  loss, grads, _ = stages.staged_value_and_grad(
+      grouped, stages.make_stage_steps(grouped), nest(params), nest_state(state), inputs, labels,
+      key, iteration)
+  (want_loss, _), want = jax.value_and_grad(model.loss, has_aux=True)(
+      params, state, inputs, labels, key, iteration)
+  assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+  chex.assert_trees_all_close(grads, nest(want), atol=1e-5, rtol=1e-4)
+
+
 def test_a_fused_backward_and_update_equals_the_backward_then_the_update():
   # Stage 0 owns GPT-2's tied embedding: its update must include the head's part of the gradient.
   model = _tiny_gpt2()

@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 
 from layup_jax.models import gpt2, gpt2_import, lstm, resnet
-from layup_jax.stages import StagedModel
+from layup_jax.stages import StagedModel, group_stages
 
 GRANULARITIES = ("per_block", "per_layer")
 VARIANTS = ("cifar", "imagenet")
@@ -74,8 +74,9 @@ def names() -> list[str]:
 
 
 def make_model(config: ml_collections.ConfigDict) -> StagedModel:
-  """The staged model that `config.model` names."""
-  return _REGISTRY[config.name].build(config)
+  """The staged model that `config.model` names, its stages grouped by
+  `config.stages_per_group` (`stages.group_stages`)."""
+  return group_stages(_REGISTRY[config.name].build(config), config.get("stages_per_group", 1))
 
 
 def example_inputs(config: ml_collections.ConfigDict, batch: int) -> np.ndarray:
