@@ -348,15 +348,17 @@ class ReplicaStore:
 
   # --- compilation and checkpoints --------------------------------------------------------------
 
-  def compile_writes(self, i: int, step: jax.Array, grads: Sequence[PyTree]) -> list:
-    """Runs the update and the merge once per stage on device i with `grads` (one per stage),
-    leaving the replica as it is; returns the outputs to wait for."""
+  def compile_writes(self, i: int, step: jax.Array, grads: Sequence[PyTree] | None) -> list:
+    """Runs the update (with `grads`, one per stage; None: fused local steps, whose updates
+    `compile_local_steps` runs) and the merge once per stage on device i, leaving the replica
+    as it is; returns the outputs to wait for."""
     replica = self.replicas[i]
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # donated arguments: not the replica's
     outputs = []
-    for s, stage_grads in enumerate(grads):
-      outputs.append(self.update(replica.params[s], copy(replica.opt_state[s]), stage_grads,
-                                 step, self._no_check[i]))
+    for s in range(self.num_stages):
+      if grads is not None:
+        outputs.append(self.update(replica.params[s], copy(replica.opt_state[s]), grads[s],
+                                   step, self._no_check[i]))
       part = self._mixed_part(i, s)  # the form `merge` mixes
       outputs.append(self.merge_fn(part, copy(part), np.float32(0.5)))
     return outputs
@@ -435,7 +437,8 @@ class StoreLocalSteps:
 
 @dataclasses.dataclass(frozen=True)
 class CompileLocalSteps:
-  """The fused functions run once on copies (donated arguments), the replica unchanged."""
+  """The fused functions, and the loss stage's update, run once on copies (donated
+  arguments), the replica unchanged."""
 
   store: ReplicaStore
   i: int
@@ -452,4 +455,9 @@ class CompileLocalSteps:
     return params, dx
 
   def apply(self, s, grads):
-    return grads
+    replica = self.store.replicas[self.i]
+    opt_state = jax.tree.map(jnp.copy, replica.opt_state[s])
+    params, opt_state, so_far = self.store.update(replica.params[s], opt_state, grads,
+                                                  self.step, self.store._no_check[self.i])
+    self.outputs.extend([params, opt_state, so_far])
+    return params

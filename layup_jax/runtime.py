@@ -375,17 +375,19 @@ class AsyncRuntime:
     for i, replica in enumerate(self.store.replicas):
       inputs, targets = jax.device_put(example, replica.device)
       iteration = jax.device_put(np.int32(0), replica.device)
-      grads: list[PyTree] = [None] * self.num_stages
+      grads: list[PyTree] | None = [None] * self.num_stages
       state = list(replica.state)  # the warm-up leaves the replica as it is
-      loss, _ = staged_pass(self._model, self.store.steps, replica.params.__getitem__,
-                            states_in(state), inputs, targets, replica.stage_keys, iteration,
-                            grads.__setitem__)
+      if self._fused:  # only the functions a fused iteration runs (each compiles per device)
+        loss, _ = staged_pass(self._model, self.store.steps, replica.params.__getitem__,
+                              states_in(state), inputs, targets, replica.stage_keys, iteration,
+                              lambda s, out: None,
+                              local_step=self.store.compile_local_steps(i, iteration, outputs))
+        grads = None
+      else:
+        loss, _ = staged_pass(self._model, self.store.steps, replica.params.__getitem__,
+                              states_in(state), inputs, targets, replica.stage_keys, iteration,
+                              grads.__setitem__)
       outputs += [loss, state]  # not the gradients: their updates take them
-      if self._fused:
-        staged_pass(self._model, self.store.steps, replica.params.__getitem__,
-                    states_in(list(replica.state)), inputs, targets, replica.stage_keys,
-                    iteration, lambda s, out: None,
-                    local_step=self.store.compile_local_steps(i, iteration, outputs))
       outputs += self.store.compile_writes(i, iteration, grads)
     if self.options.max_sends_in_flight:
       outputs += outbox.compile_landed(self.store)

@@ -392,15 +392,20 @@ def _ddp_runtime(num_devices):
                     state, Batch(train.inputs[:8], train.targets[:8]), seed=0)
 
 
-@pytest.mark.parametrize("algorithm", ["layup", "ddp"])
+@pytest.mark.parametrize("algorithm", ["layup", "adpsgd", "ddp"])
 def test_no_compilation_happens_inside_the_training_loop(algorithm):
+  # LayUp's local steps are fused into the backward; AD-PSGD's are not (separate updates).
+  from layup_jax.algorithms.gossip import ADPSGD
+
   compiles = []
 
   def on_duration(name, *_, **__):
     if "backend_compile" in name:
       compiles.append(name)
 
-  runtime = make_layup_runtime(4) if algorithm == "layup" else _ddp_runtime(4)
+  runtime = {"layup": lambda: make_layup_runtime(4),
+             "adpsgd": lambda: make_layup_runtime(4, exchange=ADPSGD),
+             "ddp": lambda: _ddp_runtime(4)}[algorithm]()
   runtime.compile()
   jax.monitoring.register_event_duration_secs_listener(on_duration)
   try:
