@@ -127,6 +127,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.every = 1000  # steps between checkpoints (plus one at the end); 0 = end only
   config.checkpoint.keep = 3  # newest checkpoints kept
   config.checkpoint.async_save = True  # write to disk in the background while training goes on
+  # Compiled programs kept on disk and reused by reruns (layup_jax/compile_cache.py); "" = off.
+  config.compilation_cache_dir = "~/.cache/layup_jax/jax_cache"
   config.restore = ""  # checkpoint folder (or one step's folder) to start from when the workdir
   #                      has no checkpoint of its own
 

@@ -19,6 +19,7 @@ from absl import logging
 from layup_jax import (
   algorithms,
   checkpointing,
+  compile_cache,
   data,
   flops,
   measurements,
@@ -105,6 +106,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
   saves a checkpoint and returns `{"stopped": True, "step": ...}` without a summary.
   """
   validate_config(config, len(jax.devices()))
+  compile_cache.enable(config.get("compilation_cache_dir", ""))
   workdir = pathlib.Path(workdir)
   try:
     workdir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +182,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       if restored is not None:
         start_step, train_time = restored
     writer = MetricsWriter(workdir, keep_through_step=start_step if start_step else None)
+    compile_start = time.perf_counter()
     runtime.compile()
+    compile_s = time.perf_counter() - compile_start
     try:
       flops_per_iteration = runtime.flops_per_iteration()
     except Exception as error:  # noqa: BLE001 - a missing count must not stop training
@@ -245,6 +249,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       "weight_sum_min": record["weight_sum_min"],
       "weight_sum_max": record["weight_sum_max"],
       "wall_time_s": train_time,
+      "compile_s": compile_s,
       "train_samples_per_s": samples_per_s(),
       "skipped_steps": runtime.skipped_steps(),
       "stage_update_latency_ms": measurements.stage_latency_ms(latencies),
