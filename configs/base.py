@@ -40,7 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.batch_size = 16  # samples per device per iteration (DDP's global batch is M times it)
   config.data.test_fraction = 0.2  # digits, text_files: share held out as the fixed test split
   config.data.data_dir = ""  # TFDS data dir with prepared datasets; "" = $TFDS_DATA_DIR or
-  #                            ~/tensorflow_datasets. Nothing is downloaded at run time.
+  #                            ~/tensorflow_datasets. fashion_mnist: the folder of its idx files
+  #                            ("" = Debian's /usr/share/datasets/fashion-mnist). Nothing is
+  #                            downloaded at run time.
   config.data.tfds_name = ""  # TFDS name to read instead of the dataset's default
   config.data.train_split = ""  # TFDS split for training ("" = the dataset's, e.g. "train")
   config.data.test_split = ""  # TFDS split for evaluation ("" = the dataset's, e.g. "test")

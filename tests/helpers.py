@@ -68,3 +68,28 @@ class Hidden(nn.Module):
 
 def plain_mlp(widths=(16, 16), num_classes=10) -> StagedModel:
   return StagedModel([Hidden(w) for w in widths] + [FlatDense(num_classes)])
+
+
+def write_fashion_mnist(folder, num_train=64, num_test=32, gzipped=True, seed=0):
+  """Writes Fashion-MNIST's four idx files with random images and labels into `folder`;
+  returns {split: (images, labels)} as uint8 arrays."""
+  import gzip
+  import os
+
+  import numpy as np
+
+  from layup_jax.data.fashion_mnist import FILES
+
+  os.makedirs(folder, exist_ok=True)
+  rng = np.random.default_rng(seed)
+  written = {}
+  for split, count in (("train", num_train), ("test", num_test)):
+    images = rng.integers(0, 256, (count, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, count, dtype=np.uint8)
+    for stem, array in zip(FILES[split], (images, labels)):
+      header = bytes([0, 0, 0x08, array.ndim]) + np.asarray(array.shape, ">i4").tobytes()
+      path = os.path.join(folder, stem + (".gz" if gzipped else ""))
+      with (gzip.open if gzipped else open)(path, "wb") as f:
+        f.write(header + array.tobytes())
+    written[split] = (images, labels)
+  return written

@@ -9,6 +9,7 @@ import pathlib
 import pytest
 
 from layup_jax import data, runner
+from tests.helpers import write_fashion_mnist
 from tests.tfds_fakes import mocked_tfds
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / "configs"
@@ -24,6 +25,9 @@ def shrink(config, tmp_path):
   config.data.batch_size, config.data.eval_batch_size, config.data.max_eval_batches = 2, 4, 1
   config.data.seq_len, config.data.image_size, config.data.eval_resize = 16, 32, 36
   config.data.read_threads = 1
+  if config.data.name == "fashion_mnist":  # the idx files, written here (random images)
+    config.data.data_dir = str(tmp_path / "fashion_mnist")
+    write_fashion_mnist(config.data.data_dir)
   if config.model.name in ("resnet18", "resnet50"):
     config.model.name, config.model.widths = "digits_resnet", (4,)
   if config.model.name == "digits_resnet":

@@ -3,6 +3,7 @@
 | `data.name` | source | splits (train / test) | samples |
 |---|---|---|---|
 | `digits` | scikit-learn (shipped) | fixed `test_fraction` split | 8x8x1 image, label |
+| `fashion_mnist` | the official idx files in `data_dir` (else Debian's `dataset-fashion-mnist`) | train / t10k | 28x28x1 image, label |
 | `cifar100` | TFDS `cifar100` | train / test | 32x32x3 image, fine label |
 | `imagenet2012` | TFDS `imagenet2012` | train / validation | `image_size` crop, label |
 | `imdb_reviews` | TFDS `imdb_reviews` | train / test | `seq_len` tokens, label |
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator
 import ml_collections
 import numpy as np
 
-from layup_jax.data import digits, sources, text, vision
+from layup_jax.data import digits, fashion_mnist, sources, text, vision
 from layup_jax.data.pipeline import (
   ArraySplit,
   Batch,
@@ -81,6 +82,10 @@ def _digits(config):
   return digits.load_digits(config.test_fraction)
 
 
+def _fashion_mnist(config):
+  return fashion_mnist.load_fashion_mnist(config.data_dir)
+
+
 def _cifar100(config):
   _, train, test = _tfds_splits(config)
   return vision.Cifar100Split(_open(config, train)), vision.Cifar100Split(_open(config, test))
@@ -123,6 +128,7 @@ def _text_files(config):
 
 DATASETS: dict[str, DatasetSpec] = {
     "digits": DatasetSpec(_digits),
+    "fashion_mnist": DatasetSpec(_fashion_mnist),
     "cifar100": DatasetSpec(_cifar100, "cifar100"),
     "imagenet2012": DatasetSpec(_imagenet, "imagenet2012", ("train", "validation")),
     "imdb_reviews": DatasetSpec(_imdb, "imdb_reviews"),
