@@ -144,6 +144,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.metrics = ml_collections.ConfigDict()
   config.metrics.target_accuracy = 0.0  # time to this test accuracy (TTA); 0 = not measured
   config.metrics.target_perplexity = 0.0  # language models: time to this test perplexity
+  config.metrics.tensorboard = True  # also write the metrics as TensorBoard event files
   # Per-stage update latency (gradient computed -> merge landed on the peer) is timed on every
   # `latency_every`-th iteration of each device (LayUp: the updater waits for the gradient on
   # its own device, a watcher thread for the landing); 0 = not measured.

@@ -1,4 +1,6 @@
-"""Run records a user can plot: `metrics.jsonl` (one JSON object per line) and `summary.json`."""
+"""Run records a user can plot: `metrics.jsonl` (one JSON object per line), `summary.json`, and
+the same records as TensorBoard scalars (event files in `tensorboard/`, through tensorboardX:
+no TensorFlow needed)."""
 
 import json
 import math
@@ -12,13 +14,38 @@ def _clean(value: Any) -> Any:
   return value
 
 
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+  """A record's numbers as TensorBoard tags `<split>/<key>` (a list's entries as
+  `<split>/<key>/<index>`: per device or per stage); null and non-numeric values left out."""
+  split = record.get("split", "run")
+  out = {}
+  for key, value in record.items():
+    if key in ("step", "split"):
+      continue
+    values = enumerate(value) if isinstance(value, list) else [(None, value)]
+    for index, item in values:
+      if isinstance(item, (int, float)) and not isinstance(item, bool) and math.isfinite(item):
+        out[f"{split}/{key}" + ("" if index is None else f"/{index}")] = float(item)
+  return out
+
+
 class MetricsWriter:
   """Appends records to `metrics.jsonl`. A fresh run (`keep_through_step=None`) starts the file
   anew; a resumed one keeps the records up to its checkpoint's step and drops the later ones,
-  which it will write again."""
+  which it will write again. With `tensorboard`, each record's `scalars` also go to event files
+  in `workdir/tensorboard`; a resumed run hides the events after its checkpoint's step there
+  too (tensorboardX's `purge_step`)."""
 
-  def __init__(self, workdir: pathlib.Path, keep_through_step: int | None = None):
+  def __init__(self, workdir: pathlib.Path, keep_through_step: int | None = None,
+               tensorboard: bool = False):
     self.workdir = workdir
+    self._events = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # imported here: only runs that log events need it
+
+      self._events = SummaryWriter(
+          str(workdir / "tensorboard"),
+          purge_step=None if keep_through_step is None else keep_through_step + 1)
     self._path = workdir / "metrics.jsonl"
     kept = []
     if keep_through_step is not None and self._path.exists():
@@ -33,6 +60,10 @@ class MetricsWriter:
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     self.records.append(record)
+    if self._events is not None and "step" in record:
+      for tag, value in scalars(record).items():
+        self._events.add_scalar(tag, value, record["step"])
+      self._events.flush()
 
   def write_summary(self, summary: dict[str, Any]) -> None:
     text = json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2)
@@ -40,6 +71,8 @@ class MetricsWriter:
 
   def close(self) -> None:
     self._file.close()
+    if self._events is not None:
+      self._events.close()
 
 
 def read_metrics(workdir: pathlib.Path) -> list[dict[str, Any]]:

@@ -181,7 +181,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       restored = _restore(config, runtime, dataset, checkpoints)
       if restored is not None:
         start_step, train_time = restored
-    writer = MetricsWriter(workdir, keep_through_step=start_step if start_step else None)
+    writer = MetricsWriter(workdir, keep_through_step=start_step if start_step else None,
+                           tensorboard=config.metrics.get("tensorboard", False))
     compile_start = time.perf_counter()
     runtime.compile()
     compile_s = time.perf_counter() - compile_start

@@ -93,3 +93,24 @@ def write_fashion_mnist(folder, num_train=64, num_test=32, gzipped=True, seed=0)
         f.write(header + array.tobytes())
     written[split] = (images, labels)
   return written
+
+
+def tensorboard_scalars(folder):
+  """{tag: [(step, value), ...]} of the scalar events in `folder`'s event files, read with
+  tensorboardX's protobuf (records: length, its CRC, the event, its CRC)."""
+  import collections
+  import pathlib
+  import struct
+
+  from tensorboardX.proto import event_pb2
+
+  out = collections.defaultdict(list)
+  for path in sorted(pathlib.Path(folder).glob("events.out.tfevents.*")):
+    raw, offset = path.read_bytes(), 0
+    while offset < len(raw):
+      (length,) = struct.unpack_from("<Q", raw, offset)
+      event = event_pb2.Event.FromString(raw[offset + 12:offset + 12 + length])
+      offset += 12 + length + 4
+      for value in event.summary.value:
+        out[value.tag].append((event.step, value.simple_value))
+  return dict(out)

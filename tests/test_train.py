@@ -11,6 +11,7 @@ import pytest
 
 from layup_jax import runner
 from layup_jax.metrics import read_metrics
+from tests.helpers import tensorboard_scalars
 
 EVAL_KEYS = {"step", "time_s", "split", "loss", "accuracy", "device0_loss", "device0_accuracy",
              "consensus_distance", "weight_sum_min", "weight_sum_max"}
@@ -34,6 +35,11 @@ def test_a_run_writes_metrics_and_summary_and_learns(tiny_config, tmp_path, algo
   assert summary["train_samples_per_s"] > 0
   for key in ("weight_sum_min", "weight_sum_max"):  # per stage, the push-sum weights sum to 1
     assert test_records[-1][key] == pytest.approx(1.0, abs=1e-12)
+  # The same records as TensorBoard scalars.
+  events = tensorboard_scalars(tmp_path / "tensorboard")
+  assert events["test/accuracy"] == [(r["step"], pytest.approx(r["accuracy"]))
+                                     for r in test_records]
+  assert [step for step, _ in events["train/device_samples_per_s/3"]] == [10, 20]
 
 
 STOP_BOUND_S = 10
