@@ -17,12 +17,21 @@ def test_readme_opens_with_the_two_commands():
   assert "grep -m1 -E '^python3 -m venv .*pytest' README.md" in (ROOT / ".ci/run").read_text()
 
 
-def test_bring_your_own_model_snippet_trains(tmp_path):
-  section = README.split("## Bring your own model", 1)[1]
+def _snippet_accuracy(heading: str, workdir: str, tmp_path) -> float:
+  """Runs the README section's Python snippet as written (its workdir moved to tmp_path) and
+  returns the test accuracy it prints."""
+  section = README.split(heading, 1)[1]
   snippet = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
-  snippet = snippet.replace('"runs/my_mlp"', repr(str(tmp_path)))
+  snippet = snippet.replace(repr(workdir).replace("'", '"'), repr(str(tmp_path)))
   result = subprocess.run([sys.executable, "-c", snippet], check=False, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  accuracy = float(re.search(r"test accuracy (\d\.\d+)", result.stdout).group(1))
-  assert accuracy > 0.9
+  return float(re.search(r"test accuracy (\d\.\d+)", result.stdout).group(1))
+
+
+def test_bring_your_own_model_snippet_trains(tmp_path):
+  assert _snippet_accuracy("## Bring your own model", "runs/my_mlp", tmp_path) > 0.9
+
+
+def test_bring_your_own_dataset_snippet_trains(tmp_path):
+  assert _snippet_accuracy("## Bring your own dataset", "runs/stripes", tmp_path) > 0.9

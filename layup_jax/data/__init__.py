@@ -142,6 +142,27 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
+def register(name: str, build: Callable[[ml_collections.ConfigDict],
+                                        tuple[Split | tuple[np.ndarray, np.ndarray], ...]],
+             kind: str = "classification") -> None:
+  """Makes `config.data.name = name` train on your data (bring your own dataset).
+
+  `build(config.data)` returns the train and the test split, each either `(inputs, labels)`
+  arrays (held in memory, as `ArraySplit`) or any object with `__len__` and `read(indices, rng)
+  -> Batch` (the `Split` protocol: a record source that reads and augments a batch). The
+  pipeline shards, shuffles, reads ahead and resumes them as it does the built-in datasets.
+  `kind`: "classification" (labels per sample) or "language_model" (a target per token).
+  """
+  if kind not in ("classification", "language_model"):
+    raise ValueError(f"kind must be 'classification' or 'language_model', got {kind!r}")
+
+  def build_splits_of(config):
+    return tuple(ArraySplit(*split) if isinstance(split, tuple) else split
+                 for split in build(config))
+
+  DATASETS[name] = DatasetSpec(build_splits_of, kind=kind)
+
+
 def names() -> list[str]:
   return sorted(DATASETS)
 
