@@ -54,6 +54,11 @@ class Replica:
   iteration: int = 0  # iterations this device has started
 
 
+def _copy(tree: PyTree) -> PyTree:
+  """Copies of a tree's arrays, to pass as donated arguments when compiling: not the replica's."""
+  return jax.tree.map(jnp.copy, tree)
+
+
 def local_update(tx: optax.GradientTransformation, params, opt_state, grads, step: jax.Array,
                  first_nonfinite: jax.Array | None = None, skip_nonfinite: bool = False):
   """One Optax step of one stage: `(new_params, new_opt_state, first_nonfinite)`.
@@ -118,9 +123,7 @@ class ReplicaStore:
     # Donated: the Optax state and the gradient, which only the update reads (the new params
     # take the gradient's buffer), and the received copy of a peer's stage (the merge's output
     # takes its buffer). Params are never donated: forwards, backwards and sends read them.
-    self.update = jax.jit(functools.partial(local_update, tx,
-                                            skip_nonfinite=self._skip_nonfinite),
-                          donate_argnums=(1, 2))
+    self.update = jax.jit(step_fn, donate_argnums=(1, 2))
     self.merge_fn = jax.jit(pushsum.merge, donate_argnums=(1,))
     self._toward_average = jax.jit(pushsum.toward_average)
     base_key = jax.random.key(options.seed)
@@ -353,14 +356,13 @@ class ReplicaStore:
     `compile_local_steps` runs) and the merge once per stage on device i, leaving the replica
     as it is; returns the outputs to wait for."""
     replica = self.replicas[i]
-    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # donated arguments: not the replica's
     outputs = []
     for s in range(self.num_stages):
       if grads is not None:
-        outputs.append(self.update(replica.params[s], copy(replica.opt_state[s]), grads[s],
+        outputs.append(self.update(replica.params[s], _copy(replica.opt_state[s]), grads[s],
                                    step, self._no_check[i]))
       part = self._mixed_part(i, s)  # the form `merge` mixes
-      outputs.append(self.merge_fn(part, copy(part), np.float32(0.5)))
+      outputs.append(self.merge_fn(part, _copy(part), np.float32(0.5)))
     return outputs
 
   def compile_local_steps(self, i: int, step: jax.Array, outputs: list) -> "CompileLocalSteps":
@@ -447,7 +449,7 @@ class CompileLocalSteps:
 
   def backward(self, s, vjp, x, dy, tied_grad):
     replica = self.store.replicas[self.i]
-    opt_state = jax.tree.map(jnp.copy, replica.opt_state[s])
+    opt_state = _copy(replica.opt_state[s])
     params, opt_state, so_far, dx = self.store.steps.backward_update[s](
         vjp, (replica.params[s], x), dy, opt_state, self.step, self.store._no_check[self.i],
         tied_grad)
@@ -456,7 +458,7 @@ class CompileLocalSteps:
 
   def apply(self, s, grads):
     replica = self.store.replicas[self.i]
-    opt_state = jax.tree.map(jnp.copy, replica.opt_state[s])
+    opt_state = _copy(replica.opt_state[s])
     params, opt_state, so_far = self.store.update(replica.params[s], opt_state, grads,
                                                   self.step, self.store._no_check[self.i])
     self.outputs.extend([params, opt_state, so_far])

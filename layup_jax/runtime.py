@@ -375,20 +375,16 @@ class AsyncRuntime:
     for i, replica in enumerate(self.store.replicas):
       inputs, targets = jax.device_put(example, replica.device)
       iteration = jax.device_put(np.int32(0), replica.device)
-      grads: list[PyTree] | None = [None] * self.num_stages
+      grads: list[PyTree] = [None] * self.num_stages
       state = list(replica.state)  # the warm-up leaves the replica as it is
-      if self._fused:  # only the functions a fused iteration runs (each compiles per device)
-        loss, _ = staged_pass(self._model, self.store.steps, replica.params.__getitem__,
-                              states_in(state), inputs, targets, replica.stage_keys, iteration,
-                              lambda s, out: None,
-                              local_step=self.store.compile_local_steps(i, iteration, outputs))
-        grads = None
-      else:
-        loss, _ = staged_pass(self._model, self.store.steps, replica.params.__getitem__,
-                              states_in(state), inputs, targets, replica.stage_keys, iteration,
-                              grads.__setitem__)
+      # Only the functions an iteration runs (each compiles per device): with fused local
+      # steps the fused backward-and-update, and no separate update per stage.
+      local_step = self.store.compile_local_steps(i, iteration, outputs) if self._fused else None
+      loss, _ = staged_pass(self._model, self.store.steps, replica.params.__getitem__,
+                            states_in(state), inputs, targets, replica.stage_keys, iteration,
+                            grads.__setitem__, local_step=local_step)
       outputs += [loss, state]  # not the gradients: their updates take them
-      outputs += self.store.compile_writes(i, iteration, grads)
+      outputs += self.store.compile_writes(i, iteration, None if self._fused else grads)
     if self.options.max_sends_in_flight:
       outputs += outbox.compile_landed(self.store)
     jax.block_until_ready(outputs)

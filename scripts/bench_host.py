@@ -50,7 +50,7 @@ import numpy as np
 import optax
 
 from configs import base
-from layup_jax import algorithms, provenance, stages, transfer
+from layup_jax import algorithms, provenance, sidebyside, stages, transfer
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
 from layup_jax.data import TrainStreams
@@ -199,13 +199,8 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
   per_block = steps * num_devices
   serial = []  # the same iterations dispatched by one thread, device after device
   if algorithm in SERIAL:
-    for r in range(repeats + 1):
-      start = time.perf_counter()
-      for _ in range(steps):
-        for i in range(num_devices):
-          runtime.iterate_serial(i)
-      if r:
-        serial.append(time.perf_counter() - start)
+    one_step = lambda: [runtime.iterate_serial(i) for i in range(num_devices)]
+    serial = [sidebyside.serial_block(one_step, steps) for _ in range(repeats + 1)][1:]
   runtime.run_until(runtime.iterations_done() + per_block, lambda done: None)  # warm-up
   walls, cpus = [], []
   for _ in range(repeats):
