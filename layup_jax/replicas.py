@@ -102,7 +102,6 @@ class ReplicaStore:
                lock: Callable[[], contextlib.AbstractContextManager]):
     self.num_devices, self.num_stages = len(devices), model.num_stages
     self.bn_policy = options.bn_policy
-    self._skip_nonfinite = options.nonfinite == "skip"
     # A stage without BatchNorm state keeps its empty dict: its forward writes nothing.
     self._has_state = [bool(jax.tree.leaves(st)) for st in init_state]
     self.packings = self._state_packings = None
@@ -116,8 +115,12 @@ class ReplicaStore:
       self._unpack = [jax.jit(k.unpack) for k in self.packings]
       self._unpack_state = [jax.jit(k.unpack) if k else (lambda st: st)
                             for k in self._state_packings]
-    step_fn = functools.partial(local_update, tx, skip_nonfinite=self._skip_nonfinite)
-    self.steps = make_stage_steps(model, keep_finite_state=self._skip_nonfinite,
+    # Whatever the policy, a non-finite gradient or statistic never reaches the replica: it
+    # would travel to peers with the next send, and under `stop` the run's error would then
+    # name whichever device read its loss first rather than the one it appeared on. The
+    # policy decides only whether the run goes on (the runtime reads the checks).
+    step_fn = functools.partial(local_update, tx, skip_nonfinite=True)
+    self.steps = make_stage_steps(model, keep_finite_state=True,
                                   packings=self.packings, state_packings=self._state_packings,
                                   remat=options.remat, update=step_fn)
     # Donated: the Optax state and the gradient, which only the update reads (the new params

@@ -7,6 +7,7 @@ thread interleaving is not, so a resumed runtime must hold exactly what was save
 import json
 import shutil
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -216,6 +217,21 @@ def test_an_injected_nan_stops_the_run_naming_device_stage_and_step():
   with pytest.raises(NonFiniteError, match=r"on device 2 at its step \d+.*stage 2|stage 2 on "
                                            r"device 2 at its step \d+"):
     runtime.run_until(4 * 40, lambda done: None)
+
+
+def test_a_stopping_run_never_writes_a_non_finite_step_into_a_replica():
+  # Under `stop` too: a replica holding the NaN would send it to peers, whose losses would then
+  # turn NaN and might be read (and named in the error) before the device it appeared on.
+  runtime = make_layup_runtime(4, model=mlp_model())
+  runtime._train_batches[2] = _NaNAfter(runtime._train_batches[2], after=0)
+  runtime.compile()
+  before = runtime.store.stage_params(2)
+  with pytest.raises(NonFiniteError, match="on device 2"):
+    runtime.iterate_serial(2, peer=1)
+  after = runtime.store.stage_params(2)
+  assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(after))
+  chex.assert_trees_all_equal(before, after)  # the step was not applied
+  runtime.close()
 
 
 def test_skipping_non_finite_steps_keeps_every_replica_finite():

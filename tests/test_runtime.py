@@ -225,6 +225,9 @@ def test_a_device_does_not_wait_for_a_slow_peer_that_sends_to_it():
   batches = [_GatedBatches(TrainIterator(train, 2, 0, 8, 0), go, free=1),
              _GatedBatches(TrainIterator(train, 2, 1, 8, 0), go)]
   runtime = make_layup_runtime(2, train_batches=batches)
+  merged_into = []  # the peer of every merge, as the outboxes dispatch them
+  merge = runtime.store.merge
+  runtime.store.merge = lambda j, *args: (merged_into.append(j), merge(j, *args))[1]
   try:
     runtime.compile()
     slow = straggler.DelayProgram(runtime.store.device(0))
@@ -249,7 +252,9 @@ def test_a_device_does_not_wait_for_a_slow_peer_that_sends_to_it():
   finally:
     runtime.close()
   assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
-  assert runtime.store.weights.values[1] != [0.5] * 3  # device 0's stages reached device 1
+  # Device 0's stages reached device 1 (its weights cannot tell: sends both ways can leave
+  # both devices at 0.5 per stage).
+  assert merged_into.count(1) >= runtime.num_stages
 
 
 def test_sends_to_a_device_with_a_full_queue_go_to_another_peer():
