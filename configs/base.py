@@ -90,6 +90,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Store each stage's params and optimizer state as one flat vector (layup_jax/packing.py):
   # one array per stage in every optimizer step, send and merge. False: per-stage pytrees.
   config.layup.pack_stages = True
+  # Each stage's local optimizer step in the program of its backward, dispatched by the compute
+  # thread (one launch fewer per stage, no gradient array; layup_jax/runtime.py). False: the
+  # updater thread applies the gradient in a program of its own. AD-PSGD never fuses.
+  config.layup.fuse_local_step = True
   # What a stage's forward keeps for its backward: "dots" (default) only the outputs of
   # convolutions and matrix multiplications, recomputing the elementwise work (normalization,
   # activations) in the backward; "none" every residual; "full" only the stage's input.

@@ -241,7 +241,7 @@ class AsyncRuntime:
     self._stop = threading.Event()
     self.exchange = make_exchange(Links(self.store, self.outboxes, self.peers, options,
                                         self._stop.is_set))
-    self._fused = getattr(self.exchange, "fuses_local_step", False)
+    self._fused = self.exchange.fuses_local_step and options.fuse_local_step
     self._clocks = [IterationClock(options.delay_of(i), options.straggler_mode, device)
                     for i, device in enumerate(devices)]
     self._losses: list[list[float]] = [[] for _ in devices]

@@ -28,7 +28,9 @@ pipeline's budget (`scripts/bench_input.py`), not this one. Latency sampling is 
   python scripts/bench_host.py --cases resnet18-cifar --algorithms layup --stages-per-group 1 2 5
 
 `--stages-per-group` runs the model with consecutive stages grouped (`model.stages_per_group`):
-fewer, larger stages, so fewer programs, sends and merges per iteration.
+fewer, larger stages, so fewer programs, sends and merges per iteration. `--fuse-local-step on
+off` runs each algorithm with and without the local step in the backward's program
+(`layup.fuse_local_step`), one row after the other.
 """
 
 import argparse
@@ -90,9 +92,10 @@ def batches(kind: str, seed: int, count: int = 4):
   return itertools.cycle(made)
 
 
-def bench_config(algorithm: str, num_devices: int):
+def bench_config(algorithm: str, num_devices: int, fuse: bool = True):
   config = base.get_config()
   config.algorithm, config.num_devices = algorithm, num_devices
+  config.layup.fuse_local_step = fuse
   config.metrics.latency_every = 0
   config.baselines.tau = config.baselines.out_freq = 4
   config.faults.nonfinite = "skip"  # widths 2 can make a gradient non-finite; the run goes on
@@ -184,14 +187,14 @@ class Counter:
 
 
 def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
-          per_group: int = 1) -> dict:
+          per_group: int = 1, fuse: bool = True) -> dict:
   model, kind = shrunk_model(case)
   if per_group > 1:
     model = stages.group_stages(model, per_group)
   devices = jax.devices()[:num_devices]
   streams = TrainStreams([batches(kind, seed) for seed in range(num_devices)],
                          next(batches(kind, 0)))
-  config = bench_config(algorithm, num_devices)
+  config = bench_config(algorithm, num_devices, fuse)
   runtime = algorithms.build_runtime(config, model, optax.sgd(1e-3), devices, streams)
   start = time.perf_counter()
   runtime.compile()
@@ -218,7 +221,7 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
   ceiling = 1e3 / (host_ms * num_devices)
   return {
       "case": case, "algorithm": algorithm, "num_stages": model.num_stages,
-      "stages_per_group": per_group,
+      "stages_per_group": per_group, "fuse_local_step": fuse,
       "num_devices": num_devices, "steps_per_block": steps, "repeats": repeats,
       "host_ms_per_iteration": host_ms,
       "host_ms_all": [1e3 * w / per_block for w in walls],
@@ -244,6 +247,8 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--stages-per-group", type=int, nargs="+", default=[1],
                       help="model.stages_per_group values to run (1: the paper's stages)")
+  parser.add_argument("--fuse-local-step", nargs="+", default=["on"], choices=["on", "off"],
+                      help="layup.fuse_local_step values to run, one row each (adjacent)")
   parser.add_argument("--out", default="bench_host.json")
   args = parser.parse_args()
 
@@ -251,19 +256,23 @@ def main() -> None:
   fused = {}
   for case in args.cases:
     fused[case] = fused_step_ms(shrunk_model(case)[0], shrunk_model(case)[1])
-    for algorithm, per_group in itertools.product(args.algorithms, args.stages_per_group):
-      row = bench(case, algorithm, args.num_devices, args.steps, args.repeats, per_group)
+    for algorithm, per_group, fuse in itertools.product(args.algorithms, args.stages_per_group,
+                                                        args.fuse_local_step):
+      row = bench(case, algorithm, args.num_devices, args.steps, args.repeats, per_group,
+                  fuse == "on")
       row["fused_step_ms"] = fused[case]
       rows.append(row)
       print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
 
   fmt = lambda v, spec: "-" if v is None else format(v, spec)
-  print(f"\n{'case':<16}{'algorithm':<11}{'stages':>7}{'host ms/it':>11}{'serial':>8}"
+  print(f"\n{'case':<16}{'algorithm':<11}{'stages':>7}{'fused':>6}{'host ms/it':>11}"
+        f"{'serial':>8}"
         f"{'cpu ms/it':>10}"
         f"{'launches':>9}{'transfers':>10}{'ceiling/s':>10}{'A100/s':>8}{'budget ms':>10}"
         f"{'fused ms':>9}")
   for r in rows:
     print(f"{r['case']:<16}{r['algorithm']:<11}{r['num_stages']:>7}"
+          f"{'on' if r['fuse_local_step'] else 'off':>6}"
           f"{r['host_ms_per_iteration']:>11.2f}{fmt(r.get('serial_ms_per_iteration'), '.2f'):>8}"
           f"{r['cpu_ms_per_iteration']:>10.2f}"
           f"{r['launches_per_iteration']:>9.1f}{r['transfers_per_iteration']:>10.1f}"

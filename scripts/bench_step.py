@@ -4,11 +4,13 @@ Fused: one jitted `value_and_grad` + Optax step of the model, batch and optimize
 the loss every iteration. Staged, three ways, all on one device without a peer:
   runtime:  LayUp's threaded runtime (compute thread + updater thread), stages packed into one
             flat vector each (the default); iterations run back to back, as in training.
+  unfused:  the runtime with `layup.fuse_local_step=False`: the updater thread applies each
+            gradient in a program of its own instead of the backward's program applying it.
   serial:   the same per-stage functions dispatched from one thread (`iterate_serial`: forwards
             returning VJPs, VJPs in reverse, one Optax update per stage), waiting for the loss
             and the gradient checks every iteration.
   pytrees:  serial, with each stage's params kept as a pytree (`layup.pack_stages=False`).
-Every round runs a short block of each of the four back to back (alternating the order), so
+Every round runs a short block of each of the five back to back (alternating the order), so
 each ratio is measured side by side; medians of the per-round ratios are reported. FLOPs per
 iteration come from XLA's `compiled.cost_analysis()` (summed over the stage functions for the
 staged step); MFU is given where the device's peak is known.
@@ -105,13 +107,14 @@ def bench_case(case: str, repeats: int, iters: int | None) -> dict:
   tx = optim.make_optimizer(config.optimizer, 10_000)
   params, state = init_model(config, model, example)
 
-  def runtime(pack: bool) -> AsyncRuntime:
-    options = RuntimeOptions(seed=config.seed, pack_stages=pack)
+  def runtime(pack: bool, fuse: bool = True) -> AsyncRuntime:
+    options = RuntimeOptions(seed=config.seed, pack_stages=pack, fuse_local_step=fuse)
     built = AsyncRuntime(model, tx, [device], [train], params, state, example, LayUp, options)
     built.compile()
     return built
 
   layup, threaded, unpacked = runtime(True), runtime(True), runtime(False)
+  unfused = runtime(True, fuse=False)
   key = jax.device_put(jax.random.key(0), device)
   iteration = jax.device_put(np.int32(0), device)
   inputs = Batch(*jax.device_put((example.inputs, example.targets), device))
@@ -140,6 +143,7 @@ def bench_case(case: str, repeats: int, iters: int | None) -> dict:
 
   # Each side is warmed up (and its first calls compiled) by `interleaved`'s first block.
   blocks = {"runtime": lambda: threaded_block(threaded, iters),
+            "unfused": lambda: threaded_block(unfused, iters),
             "staged": lambda: serial_block(staged_iteration, iters),
             "pytrees": lambda: serial_block(pytree_iteration, iters),
             "fused": lambda: serial_block(fused_iteration, iters)}
@@ -147,6 +151,7 @@ def bench_case(case: str, repeats: int, iters: int | None) -> dict:
   runtime_times, staged_times = times["runtime"], times["staged"]
   pytree_times, fused_times = times["pytrees"], times["fused"]
   threaded.close()
+  unfused.close()
   staged_s, fused_s = statistics.median(staged_times), statistics.median(fused_times)
   runtime_s = statistics.median(runtime_times)
   ratio = lambda times: median_ratio(fused_times, times)  # throughput: fused time / time
@@ -156,9 +161,11 @@ def bench_case(case: str, repeats: int, iters: int | None) -> dict:
       "case": case, "model": config.model.name, "num_stages": model.num_stages, "iters": iters,
       "batch_size": config.data.batch_size, "device": device.device_kind,
       "runtime_ms_median": 1e3 * runtime_s, "staged_ms_median": 1e3 * staged_s,
+      "runtime_unfused_ms_median": 1e3 * statistics.median(times["unfused"]),
       "pytrees_ms_median": 1e3 * statistics.median(pytree_times),
       "fused_ms_median": 1e3 * fused_s,
       "throughput_ratio_runtime_over_fused_median": ratio(runtime_times),
+      "throughput_ratio_runtime_unfused_over_fused_median": ratio(times["unfused"]),
       "throughput_ratio_staged_over_fused_median": ratio(staged_times),
       "throughput_ratio_pytrees_over_fused_median": ratio(pytree_times),
       "flops_staged": flops_staged, "flops_fused": flops_fused,
@@ -170,6 +177,7 @@ def bench_case(case: str, repeats: int, iters: int | None) -> dict:
       "mfu_estimate_staged": estimate / staged_s / peak if peak and estimate else None,
       "mfu_estimate_fused": estimate / fused_s / peak if peak and estimate else None,
       "runtime_ms_all": [1e3 * t for t in runtime_times],
+      "runtime_unfused_ms_all": [1e3 * t for t in times["unfused"]],
       "staged_ms_all": [1e3 * t for t in staged_times],
       "pytrees_ms_all": [1e3 * t for t in pytree_times],
       "fused_ms_all": [1e3 * t for t in fused_times],
@@ -189,13 +197,16 @@ def main() -> None:
   rows = [bench_case(case, args.repeats, args.iters) for case in args.cases]
   mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"
   print(f"{'case':<16}{'stages':>7}{'batch':>6}{'fused ms':>10}{'runtime ms':>12}"
-        f"{'serial ms':>11}{'pytrees ms':>12}   throughput vs fused: runtime serial pytrees"
+        f"{'unfused ms':>11}{'serial ms':>11}{'pytrees ms':>12}   throughput vs fused: runtime"
+        f" unfused serial pytrees"
         f"{'GFLOP/it':>10}{'MFU rt.':>9}{'MFU fu.':>9}")
   for r in rows:
     print(f"{r['case']:<16}{r['num_stages']:>7}{r['batch_size']:>6}{r['fused_ms_median']:>10.3f}"
-          f"{r['runtime_ms_median']:>12.3f}{r['staged_ms_median']:>11.3f}"
-          f"{r['pytrees_ms_median']:>12.3f}{'':>24}"
+          f"{r['runtime_ms_median']:>12.3f}{r['runtime_unfused_ms_median']:>11.3f}"
+          f"{r['staged_ms_median']:>11.3f}"
+          f"{r['pytrees_ms_median']:>12.3f}{'':>22}"
           f"{r['throughput_ratio_runtime_over_fused_median']:>8.3f}"
+          f"{r['throughput_ratio_runtime_unfused_over_fused_median']:>8.3f}"
           f"{r['throughput_ratio_staged_over_fused_median']:>7.3f}"
           f"{r['throughput_ratio_pytrees_over_fused_median']:>8.3f}"
           f"{r['flops_fused'] / 1e9:>10.2f}{mfu(r['mfu_runtime']):>9}{mfu(r['mfu_fused']):>9}")

@@ -397,6 +397,26 @@ def _ddp_runtime(num_devices):
                     state, Batch(train.inputs[:8], train.targets[:8]), seed=0)
 
 
+def test_a_local_step_fused_into_the_backward_is_the_updaters_step():
+  # The same scripted iterations and peers, with the local step in the backward's program and
+  # with the updater applying the gradient: the same replicas and weights.
+  runtimes = [make_layup_runtime(3, fuse_local_step=fused) for fused in (True, False)]
+  for runtime in runtimes:
+    for i, peer in [(0, 1), (1, 2), (2, 0), (0, 2), (1, None), (2, 1)] * 2:
+      runtime.iterate_serial(i, peer)
+  (fused, unfused) = runtimes
+  assert fused._fused and not unfused._fused
+  for i in range(3):
+    chex.assert_trees_all_close(fused.store.stage_params(i), unfused.store.stage_params(i),
+                                atol=1e-6, rtol=1e-6)
+  assert fused.store.weights.values == unfused.store.weights.values
+  moved = jax.tree.leaves(fused.store.stage_params(0))[0] - jax.tree.leaves(
+      make_layup_runtime(3).store.stage_params(0))[0]
+  assert float(jnp.abs(moved).max()) > 1e-4  # the steps did change the params
+  for runtime in runtimes:
+    runtime.close()
+
+
 @pytest.mark.parametrize("algorithm", ["layup", "adpsgd", "ddp"])
 def test_no_compilation_happens_inside_the_training_loop(algorithm):
   # LayUp's local steps are fused into the backward; AD-PSGD's are not (separate updates).
