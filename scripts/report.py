@@ -336,7 +336,7 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
   if measured:
     lines = ["", "Measured: " + "; ".join(measured) + "."] + lines
   return (["", "## Benchmarks", "", ("Each script prints its table and writes the JSON read "
-           "here; see the README for the commands.")] + lines) if lines else []
+           "here; see [measurements.md](measurements.md#the-benchmark-scripts) for the commands.")] + lines) if lines else []
 
 
 def device_straggler_table(results: pathlib.Path) -> list[str]:
