@@ -6,11 +6,13 @@
 
 For each sweep (`scripts/sweep.py`) the runs' records are collected into
 `docs/results/sweep_<name>.json` (so the report can be regenerated without the workdirs) and
-rendered as: one table per straggler delay (final and best test accuracy or perplexity, training
+rendered as: the paper's claims checked on the runs; one table per straggler mode and delay (final and best test accuracy or perplexity, training
 time, time to target and to convergence, samples/s, MFU, per-stage update latency, the other
-devices' throughput against no delay); the consensus distance at the middle and at the end;
+devices' throughput against no delay); the consensus distance at the middle and at the end, and
+every method's at every evaluation; the ablations (`scripts/sweep.py --variant`) beside the
+config's own runs;
 figures (PNG): learning curves against wall-clock and against steps, final accuracy and training
-time against the straggler delay (the paper's Figure 3), consensus distance over training (its
+time against the straggler delay per mode (the paper's Figure 3), consensus distance over training (its
 appendix figure). The benchmark results `docs/results/bench_*.json` (`scripts/bench_*.py`)
 follow as tables. Needs matplotlib (`pip install -e '.[report]'`).
 """
@@ -36,9 +38,12 @@ def collect(workdir: pathlib.Path) -> dict:
   runs = []
   for summary_path in sorted(workdir.glob("delay*/*-seed*/summary.json")):
     run = summary_path.parent
-    algorithm, _, seed = run.name.rpartition("-seed")
+    name, _, seed = run.name.rpartition("-seed")
+    algorithm, _, variant = name.partition("@")
+    delay, _, mode = run.parent.name[5:].partition("-")
     runs.append({
-        "algorithm": algorithm, "seed": int(seed), "delay": float(run.parent.name[5:]),
+        "algorithm": algorithm, "variant": variant, "seed": int(seed), "delay": float(delay),
+        "mode": mode or "host",
         "summary": json.loads(summary_path.read_text()),
         "records": [json.loads(line) for line in (run / "metrics.jsonl").open()],
     })
@@ -85,15 +90,46 @@ def test_records(run: dict) -> list[dict]:
 
 # --- tables ---------------------------------------------------------------------------------
 
+STRAGGLER_TITLES = {
+    "host": "Straggler: device 0 idles {d:g} iterations' time before each iteration",
+    "device": ("Straggler on the device: device 0 runs a delay program of {d:g} iterations' "
+               "time per iteration (its host thread goes on dispatching)"),
+}
+
+
+def conditions(runs: list[dict]) -> list[tuple[str, float]]:
+  """(straggler mode, delay) of the runs: no straggler first, then host-side, then device-side."""
+  found = {(r["mode"] if r["delay"] else "host", r["delay"]) for r in runs}
+  return sorted(found, key=lambda c: (c[1] > 0, list(STRAGGLER_TITLES).index(c[0]), c[1]))
+
+
+def in_condition(run: dict, mode: str, delay: float) -> bool:
+  return run["delay"] == delay and (delay == 0 or run["mode"] == mode)
+
+
+def result_row(label: str, group: list[dict], key: str) -> str:
+  """A table row: final and best metric, times, samples/s, MFU, update latency."""
+  s = [r["summary"] for r in group]
+  mfu = [x.get("mfu") for x in s]
+  return (f"| {label} | {mean_std([x[f'final_eval_{key}'] for x in s])} | "
+          f"{mean_std([x.get(f'best_eval_{key}') for x in s])} | "
+          f"{mean_std([x['wall_time_s'] for x in s])} | "
+          f"{mean_std([x.get('time_to_target_s') for x in s])} | "
+          f"{mean_std([x.get('time_to_convergence_s') for x in s])} | "
+          f"{statistics.median(x['train_samples_per_s'] for x in s):.0f} | "
+          f"{mean_std([100 * m for m in mfu if m is not None], 3) + '%' if any(mfu) else '-'}"
+          f" | {mean_std([mean_latency_ms(r) for r in group], 3)} |")
+
+
 def sweep_tables(name: str, sweep: dict, figures: dict[str, str]) -> list[str]:
-  meta, runs = sweep["meta"], sweep["runs"]
-  key, higher = metric_key(runs)
+  meta, every_run = sweep["meta"], sweep["runs"]
+  runs = [r for r in every_run if not r["variant"]]  # the config's own runs, not ablations
+  key, higher = metric_key(every_run)
   label = "accuracy" if higher else "perplexity"
   algorithms = [a for a in ORDER if any(r["algorithm"] == a for r in runs)]
-  delays = sorted({r["delay"] for r in runs})
-  first = runs[0]["summary"]
-  seeds = sorted({r["seed"] for r in runs})
-  versions = sorted({r["summary"].get("code_version") or "not recorded" for r in runs})
+  first = every_run[0]["summary"]
+  seeds = sorted({r["seed"] for r in every_run})
+  versions = sorted({r["summary"].get("code_version") or "not recorded" for r in every_run})
   data_note = (f"**Mocked data**: records from `tfds.testing.mock_data` ({meta['mock_tfds']} per "
                "split, random values of the real shapes), so accuracies are those of random "
                "labels; the timings are real." if meta.get("mock_tfds") else "")
@@ -111,12 +147,13 @@ def sweep_tables(name: str, sweep: dict, figures: dict[str, str]) -> list[str]:
   ]
   if data_note:
     lines += ["", data_note]
+  if not meta.get("mock_tfds"):  # random labels: nothing to claim
+    lines += claims_table(runs, key, higher)
   base = {a: statistics.median(others_throughput(r) for r in runs
                                if r["algorithm"] == a and r["delay"] == 0)
           for a in algorithms if any(r["algorithm"] == a and r["delay"] == 0 for r in runs)}
-  for delay in delays:
-    title = ("No straggler" if delay == 0 else
-             f"Straggler: device 0 idles {delay:g} iterations' time before each iteration")
+  for mode, delay in conditions(runs):
+    title = "No straggler" if delay == 0 else STRAGGLER_TITLES[mode].format(d=delay)
     header = (f"| method | final {label} | best {label} | training time (s) | time to target (s)"
               " | time to convergence (s) | samples/s | MFU | update latency (ms) |")
     rule = "|---|---|---|---|---|---|---|---|---|"
@@ -125,24 +162,26 @@ def sweep_tables(name: str, sweep: dict, figures: dict[str, str]) -> list[str]:
       rule += "---|"
     lines += ["", f"### {title}", "", header, rule]
     for algorithm in algorithms:
-      group = [r for r in runs if r["algorithm"] == algorithm and r["delay"] == delay]
+      group = [r for r in runs if r["algorithm"] == algorithm and in_condition(r, mode, delay)]
       if not group:
         continue
-      s = [r["summary"] for r in group]
-      mfu = [x.get("mfu") for x in s]
-      line = (f"| {NAMES[algorithm]} | {mean_std([x[f'final_eval_{key}'] for x in s])} | "
-              f"{mean_std([x.get(f'best_eval_{key}') for x in s])} | "
-              f"{mean_std([x['wall_time_s'] for x in s])} | "
-              f"{mean_std([x.get('time_to_target_s') for x in s])} | "
-              f"{mean_std([x.get('time_to_convergence_s') for x in s])} | "
-              f"{statistics.median(x['train_samples_per_s'] for x in s):.0f} | "
-              f"{mean_std([100 * m for m in mfu if m is not None], 3) + '%' if any(mfu) else '-'}"
-              f" | {mean_std([mean_latency_ms(r) for r in group], 3)} |")
+      line = result_row(NAMES[algorithm], group, key)
       if delay:
         ratio = statistics.median(others_throughput(r) for r in group) / base[algorithm] \
             if algorithm in base else None
         line += f" {ratio:.2f} |" if ratio is not None else " - |"
       lines.append(line)
+  lines += consensus_tables(runs)
+  lines += ablation_table(every_run, meta, key, label)
+  lines += ["", "### Figures", ""]
+  lines += [f"![{caption}]({path})" + "\n" for caption, path in figures.items()]
+  return lines
+
+
+def consensus_tables(runs: list[dict]) -> list[str]:
+  """The gossip methods' consensus distance at the middle and the end, and every method's
+  whose distance is not zero at every evaluation (no straggler; means over seeds)."""
+  lines = []
   gossip = [r for r in runs if r["delay"] == 0 and r["algorithm"] in GOSSIP]
   if gossip:
     lines += ["", "### Consensus distance (no straggler)", "",
@@ -156,8 +195,131 @@ def sweep_tables(name: str, sweep: dict, figures: dict[str, str]) -> list[str]:
         lines.append(f"| {NAMES[algorithm]} | {middles[0]['step']} | "
                      f"{mean_std([m['consensus_distance'] for m in middles], 3)} | "
                      f"{mean_std([r['summary']['consensus_distance'] for r in group], 3)} |")
-  lines += ["", "### Figures", ""]
-  lines += [f"![{caption}]({path})" + "\n" for caption, path in figures.items()]
+  curves = {}
+  for algorithm in ORDER:
+    group = [r for r in runs if r["algorithm"] == algorithm and r["delay"] == 0]
+    if group:
+      steps, _, values = mean_curve(group, "consensus_distance")
+      if any(values):
+        curves[algorithm] = dict(zip(steps, values))
+  if curves:
+    steps = sorted(set().union(*curves.values()))
+    lines += ["", ("At every evaluation (means over seeds; columns are steps; DDP's replicas "
+                   "are one model, so it is left out):"), "",
+              "| method | " + " | ".join(str(s) for s in steps) + " |",
+              "|---|" + "---|" * len(steps)]
+    for algorithm, curve in curves.items():
+      lines.append(f"| {NAMES[algorithm]} | " + " | ".join(
+          f"{curve[s]:.2e}" if s in curve else "-" for s in steps) + " |")
+  return lines
+
+
+def ablation_table(runs: list[dict], meta: dict, key: str, label: str) -> list[str]:
+  """Each variant (`scripts/sweep.py --variant`) beside the config's own runs of its method."""
+  variants = sorted({(r["algorithm"], r["variant"]) for r in runs if r["variant"]})
+  if not variants:
+    return []
+  lines = ["", "### Ablations (no straggler)", "",
+           ("Each variant is the config with the overrides shown, the same seeds; the first row "
+            "of each method is the config as it is."), "",
+           (f"| variant | final {label} | best {label} | training time (s) | time to target (s) "
+            "| time to convergence (s) | samples/s | MFU | update latency (ms) | consensus "
+            "distance at the end |"), "|---|---|---|---|---|---|---|---|---|---|"]
+  for algorithm in ORDER:
+    mine = [v for a, v in variants if a == algorithm]
+    if not mine:
+      continue
+    for variant in ["", *mine]:
+      group = [r for r in runs if r["algorithm"] == algorithm and r["variant"] == variant
+               and r["delay"] == 0]
+      if not group:
+        continue
+      overrides = ", ".join(f"`{o}`" for o in meta.get("variants", {}).get(variant, []))
+      name = f"{NAMES[algorithm]} {variant} ({overrides})" if variant else (
+          f"{NAMES[algorithm]} (config)")
+      lines.append(result_row(name, group, key) + " " + mean_std(
+          [r["summary"].get("consensus_distance") for r in group], 3) + " |")
+  return lines
+
+
+def verdict(difference: float, noise: float, better_if_positive: bool = True) -> str:
+  """'holds' when the difference is in the claimed direction by more than the noise, 'does not
+  hold' when against it by more, else 'within noise'."""
+  signed = difference if better_if_positive else -difference
+  if abs(difference) <= noise:
+    return "within noise"
+  return "holds" if signed > 0 else "does not hold"
+
+
+def claims_table(runs: list[dict], key: str, higher: bool) -> list[str]:
+  """The paper's claims, checked on these runs (each row: what was compared and the verdict).
+
+  Noise is the larger of the two methods' standard deviations over seeds (0 with one seed, so
+  one seed never says "within noise"); a claim holds when the difference is in the paper's
+  direction by more than that."""
+  def group(algorithm, mode="host", delay=0.0):
+    return [r for r in runs if r["algorithm"] == algorithm and in_condition(r, mode, delay)]
+
+  def values(rs, field):
+    return [r["summary"][field] for r in rs if r["summary"].get(field) is not None]
+
+  def spread(xs):
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+  layup, ddp, gosgd = group("layup"), group("ddp"), group("gosgd")
+  if not (layup and ddp):
+    return []
+  rows = []
+  final = f"final_eval_{key}"
+  a, b = values(layup, final), values(ddp, final)
+  diff = statistics.mean(a) - statistics.mean(b)
+  measured = (f"{statistics.mean(a):.4f} vs {statistics.mean(b):.4f} ({len(a)} and {len(b)} "
+              "seeds)")
+  rows.append((f"LayUp's final test {key} >= DDP's", measured,
+               verdict(diff, max(spread(a), spread(b)), higher)))
+  a, b = values(layup, "time_to_target_s"), values(ddp, "time_to_target_s")
+  if a and b:
+    diff = statistics.mean(b) - statistics.mean(a)
+    measured = (f"{statistics.mean(a):.3g} s vs {statistics.mean(b):.3g} s (seeds reaching "
+                f"it: {len(a)}/{len(layup)}, {len(b)}/{len(ddp)})")
+    rows.append(("LayUp reaches the target sooner than DDP (training time)", measured,
+                 verdict(diff, max(spread(a), spread(b)))))
+  if gosgd:
+    mine, theirs = (dict(zip(*[mean_curve(g, "consensus_distance")[i] for i in (0, 2)]))
+                    for g in (layup, gosgd))
+    shared = sorted(set(mine) & set(theirs) - {0})
+    if shared:
+      lower = sum(mine[s] < theirs[s] for s in shared)
+      claim = ("Layer-wise updates reduce drift: LayUp's consensus distance below GoSGD's at "
+               "equal steps")
+      measured = (f"lower at {lower} of {len(shared)} evaluations; at the end "
+                  f"{mine[shared[-1]]:.2e} vs {theirs[shared[-1]]:.2e}")
+      rows.append((claim, measured, "holds" if lower == len(shared) else
+                   "does not hold" if lower == 0 else "mixed"))
+  for mode in STRAGGLER_TITLES:
+    delays = sorted({r["delay"] for r in runs if r["delay"] and r["mode"] == mode})
+    if not delays:
+      continue
+    worst = delays[-1]
+    ratios = {}
+    for algorithm in ("layup", "ddp"):
+      base, slow = group(algorithm), group(algorithm, mode, worst)
+      if base and slow:
+        ratios[algorithm] = (statistics.median(others_throughput(r) for r in slow)
+                             / statistics.median(others_throughput(r) for r in base))
+    if len(ratios) == 2:
+      claim = (f"Straggler robustness ({mode}-side, delay {worst:g}): the other devices keep "
+               "their throughput under LayUp, not under DDP")
+      measured = (f"other devices' throughput vs no delay: LayUp {ratios['layup']:.2f}, DDP "
+                  f"{ratios['ddp']:.2f} (DDP's bound 1/(1+delay) = {1 / (1 + worst):.2f})")
+      rows.append((claim, measured, verdict(ratios["layup"] - ratios["ddp"], 0.05)))
+  lines = ["", "### The paper's claims here", "",
+           ("Measured on these runs, nothing tuned to make a claim hold. A claim holds when the "
+            "difference is in the paper's direction by more than the noise (the larger standard "
+            "deviation over seeds of the two methods; 0.05 for throughput ratios), does not hold "
+            "when it is against it by more, else it is within noise."), "",
+           "| claim | measured | verdict |", "|---|---|---|"]
+  lines += [f"| {claim} | {measured} | {result} |" for claim, measured, result in rows]
   return lines
 
 
@@ -179,10 +341,9 @@ def draw_figures(name: str, sweep: dict, out_dir: pathlib.Path, link_dir: str) -
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  runs = sweep["runs"]
+  runs = [r for r in sweep["runs"] if not r["variant"]]
   key, _ = metric_key(runs)
   algorithms = [a for a in ORDER if any(r["algorithm"] == a for r in runs)]
-  delays = sorted({r["delay"] for r in runs})
   out_dir.mkdir(parents=True, exist_ok=True)
   figures = {}
 
@@ -205,11 +366,14 @@ def draw_figures(name: str, sweep: dict, out_dir: pathlib.Path, link_dir: str) -
   save(fig, "learning_curves", f"{name}: test {key} against training time and steps "
        "(no straggler, mean over seeds)")
 
-  if len(delays) > 1:
+  for mode in STRAGGLER_TITLES:
+    delays = sorted({d for m, d in conditions(runs) if m == mode or d == 0})
+    if len(delays) < 2:
+      continue
     fig, (quality, duration) = plt.subplots(1, 2, figsize=(11, 4))
     for algorithm in algorithms:
       points = [(d, [r["summary"] for r in runs if r["algorithm"] == algorithm
-                     and r["delay"] == d]) for d in delays]
+                     and in_condition(r, mode, d)]) for d in delays]
       points = [(d, s) for d, s in points if s]
       if len(points) < 2:
         continue
@@ -221,8 +385,10 @@ def draw_figures(name: str, sweep: dict, out_dir: pathlib.Path, link_dir: str) -
     quality.set(xlabel="straggler delay (iterations)", ylabel=f"final test {key}")
     duration.set(xlabel="straggler delay (iterations)", ylabel="training time (s)")
     duration.legend(fontsize=8)
-    save(fig, "straggler", f"{name}: final test {key} and training time against the straggler "
-         "delay (paper Figure 3)")
+    fig.suptitle(f"straggler on the {mode}", fontsize=10)
+    save(fig, "straggler" if mode == "host" else f"straggler_{mode}",
+         f"{name}: final test {key} and training time against the straggler delay, "
+         f"{mode}-side (paper Figure 3)")
 
   gossip = [a for a in algorithms if a in GOSSIP]
   if gossip:
@@ -386,6 +552,9 @@ def render(sweeps: dict[str, dict], results: pathlib.Path, out: pathlib.Path) ->
   link_dir = str((results / "figures").relative_to(out.parent)) if results.is_relative_to(
       out.parent) else str(results / "figures")
   for name, sweep in sweeps.items():
+    for run in sweep["runs"]:  # sweeps collected before variants and device-side stragglers
+      run.setdefault("variant", "")
+      run.setdefault("mode", "host")
     figures = draw_figures(name, sweep, results / "figures", link_dir)
     lines += [""] + sweep_tables(name, sweep, figures)
   lines += benchmark_tables(results)

@@ -14,6 +14,11 @@ commands, the machine and the date; `scripts/report.py` turns the workdir into t
 figures. Checkpoints are off (saves stay out of the timings) and a persistent compilation
 cache keeps repeated compilations out of the start-up.
 
+`--straggler-mode device` delays device 0's *device* instead (a delay program per iteration while
+its host thread goes on, `straggler.mode=device`): those runs go to `delay<d>-device`. An
+ablation is a `--variant LABEL` with its `--set` overrides: its runs go to
+`<algorithm>@LABEL-seed<s>` beside the config's own, and the report compares them.
+
 `--mock-tfds N` trains on records from `tfds.testing.mock_data` (random values of the
 dataset's real shapes and dtypes, N per split) instead of a prepared TFDS data dir: for timings
 on a machine without the data; accuracies are then those of random labels.
@@ -99,18 +104,25 @@ def parse_assignment(text: str) -> tuple[str, object]:
 
 
 def run_config(module, overrides: list[tuple[str, object]], algorithm: str, seed: int,
-               delay: float) -> ml_collections.ConfigDict:
+               delay: float, mode: str = "host") -> ml_collections.ConfigDict:
   config = algorithm_config(module, algorithm)
   for key, value in overrides:
     set_value(config, key, value)
   config.seed = seed
   config.straggler.device, config.straggler.delay_iters = (0, float(delay)) if delay else (-1, 0.0)
+  config.straggler.mode = mode
   config.checkpoint.enabled, config.progress_bar = False, False
   return config
 
 
-def run_dir(workdir: pathlib.Path, algorithm: str, seed: int, delay: float) -> pathlib.Path:
-  return workdir / f"delay{delay:g}" / f"{algorithm}-seed{seed}"
+def run_dir(workdir: pathlib.Path, algorithm: str, seed: int, delay: float, mode: str = "host",
+            variant: str = "") -> pathlib.Path:
+  """`delay<d>[-device]/<algorithm>[@<variant>]-seed<s>`: a device-side straggler's runs apart
+  from the host-side ones (no straggler is one folder for both), a variant's apart from the
+  config's own."""
+  delay_dir = f"delay{delay:g}" + (f"-{mode}" if delay and mode != "host" else "")
+  name = f"{algorithm}@{variant}" if variant else algorithm
+  return workdir / delay_dir / f"{name}-seed{seed}"
 
 
 @contextlib.contextmanager
@@ -139,6 +151,12 @@ def main() -> None:
                       help="config override, repeatable (e.g. num_epochs=20)")
   parser.add_argument("--mock-tfds", type=int, default=0, metavar="N",
                       help="mocked TFDS records, N per split, instead of a prepared data dir")
+  parser.add_argument("--straggler-mode", default="host", choices=["host", "device"],
+                      help="how device 0 is delayed (straggler.mode): its host thread idles, "
+                           "or its device runs a delay program")
+  parser.add_argument("--variant", default="", metavar="LABEL",
+                      help="an ablation: its runs are <algorithm>@LABEL, the --set overrides "
+                           "recorded under LABEL in sweep.json")
   parser.add_argument("--force", action="store_true", help="rerun runs that have a summary")
   args = parser.parse_args()
 
@@ -159,18 +177,22 @@ def main() -> None:
       "date": datetime.date.today().isoformat(),
       "machine": provenance.machine(),
   })
+  if args.variant:
+    if "@" in args.variant or "/" in args.variant or "-seed" in args.variant:
+      sys.exit(f"error: --variant {args.variant!r}: a label without '@', '/' or '-seed'")
+    saved.setdefault("variants", {})[args.variant] = args.set
   record.write_text(json.dumps(saved, indent=1))
 
   runs = [(a, s, d) for d in args.delays for s in args.seeds for a in args.algorithms]
   for count, (algorithm, seed, delay) in enumerate(runs, 1):
-    where = run_dir(workdir, algorithm, seed, delay)
+    where = run_dir(workdir, algorithm, seed, delay, args.straggler_mode, args.variant)
     if (where / "summary.json").exists() and not args.force:
       print(f"[{count}/{len(runs)}] {where}: done before, skipped", flush=True)
       continue
     if where.exists():
       for stale in ("metrics.jsonl", "summary.json"):
         (where / stale).unlink(missing_ok=True)
-    config = run_config(module, overrides, algorithm, seed, delay)
+    config = run_config(module, overrides, algorithm, seed, delay, args.straggler_mode)
     with mocked_tfds(config, args.mock_tfds) if args.mock_tfds else contextlib.nullcontext():
       summary = runner.run(config, where)
     print(f"[{count}/{len(runs)}] {where}: accuracy {summary['final_eval_accuracy']:.4f}, "

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import pathlib
+import shutil
 
 import pytest
 
@@ -33,6 +34,17 @@ def test_a_sweep_config_takes_the_paper_column_the_overrides_and_the_delay():
   assert diloco.optimizer.name == "adamw" and diloco.baselines.out_freq == diloco.baselines.tau
   with pytest.raises(SystemExit, match="the config has no key optimizer.lr"):
     sweep.run_config(module, [("optimizer.lr", 0.1)], "ddp", 0, 0)
+  assert sweep.run_config(module, [], "layup", 0, 2.0, "device").straggler.mode == "device"
+
+
+def test_a_sweep_keeps_device_side_stragglers_and_variants_apart():
+  sweep = _script("sweep")
+  root = pathlib.Path("w")
+  assert sweep.run_dir(root, "layup", 1, 2.0) == root / "delay2" / "layup-seed1"
+  assert sweep.run_dir(root, "layup", 1, 2.0, "device") == root / "delay2-device" / "layup-seed1"
+  assert sweep.run_dir(root, "ddp", 0, 0.0, "device") == root / "delay0" / "ddp-seed0"  # shared
+  assert (sweep.run_dir(root, "layup", 0, 0.0, variant="per_layer")
+          == root / "delay0" / "layup@per_layer-seed0")
 
 
 def test_the_report_tables_and_figures_come_from_the_runs(tiny_config, tmp_path):
@@ -67,3 +79,33 @@ def test_the_report_tables_and_figures_come_from_the_runs(tiny_config, tmp_path)
     png = results / "figures" / f"tiny_{stem}.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"(results/figures/tiny_{stem}.png)" in text
+  claims = text.split("### The paper's claims here")[1].split("###")[0]
+  layup, ddp = (summaries[a, 0.0]["final_eval_accuracy"] for a in ("layup", "ddp"))
+  assert f"| {layup:.4f} vs {ddp:.4f} (1 and 1 seeds) |" in claims
+  assert ("| holds |" if layup > ddp else "| does not hold |" if layup < ddp
+          else "| within noise |") in claims.split("\n")[6]  # one seed: no noise
+
+  # A device-side straggler's runs and an ablation's get their own tables and figure (here
+  # copies of the runs above under those names: the report reads what the folders hold).
+  shutil.copytree(workdir / "delay1", workdir / "delay1-device")
+  shutil.copytree(workdir / "delay0" / "layup-seed0", workdir / "delay0" / "layup@fine-seed0")
+  meta = json.loads((workdir / "sweep.json").read_text())
+  meta["variants"] = {"fine": ["model.granularity=per_layer"]}
+  (workdir / "sweep.json").write_text(json.dumps(meta))
+  text = report.render({"tiny": report.collect(workdir)}, results, out)
+  device = text.split("### Straggler on the device: device 0 runs a delay program of 1")[1]
+  assert f"| DDP | {summaries['ddp', 1.0]['final_eval_accuracy']:.4g} |" in device.split("###")[0]
+  ablations = text.split("### Ablations (no straggler)")[1].split("###")[0]
+  assert f"| LayUp (config) | {layup:.4g} |" in ablations
+  assert f"| LayUp fine (`model.granularity=per_layer`) | {layup:.4g} |" in ablations
+  no_straggler = text.split("### No straggler")[1].split("###")[0]
+  assert no_straggler.count("| LayUp |") == 1  # the variant is not a row of the main table
+  assert (results / "figures" / "tiny_straggler_device.png").exists()
+
+
+def test_a_claim_holds_only_beyond_the_noise():
+  report = _script("report")
+  assert report.verdict(0.02, 0.01) == "holds"
+  assert report.verdict(-0.02, 0.01) == "does not hold"
+  assert report.verdict(0.005, 0.01) == "within noise"
+  assert report.verdict(-0.02, 0.01, better_if_positive=False) == "holds"  # lower is better
