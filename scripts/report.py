@@ -215,7 +215,8 @@ def consensus_tables(runs: list[dict]) -> list[str]:
 
 
 def ablation_table(runs: list[dict], meta: dict, key: str, label: str) -> list[str]:
-  """Each variant (`scripts/sweep.py --variant`) beside the config's own runs of its method."""
+  """Each variant (`scripts/sweep.py --variant`) beside the config's own runs of its method;
+  per method, the variant with the best mean final metric is marked (a search's pick)."""
   variants = sorted({(r["algorithm"], r["variant"]) for r in runs if r["variant"]})
   if not variants:
     return []
@@ -225,10 +226,19 @@ def ablation_table(runs: list[dict], meta: dict, key: str, label: str) -> list[s
            (f"| variant | final {label} | best {label} | training time (s) | time to target (s) "
             "| time to convergence (s) | samples/s | MFU | update latency (ms) | consensus "
             "distance at the end |"), "|---|---|---|---|---|---|---|---|---|---|"]
+  higher = label == "accuracy"
   for algorithm in ORDER:
     mine = [v for a, v in variants if a == algorithm]
     if not mine:
       continue
+
+    def final(variant, algorithm=algorithm):
+      values = [r["summary"][f"final_eval_{key}"] for r in runs if r["algorithm"] == algorithm
+                and r["variant"] == variant and r["delay"] == 0]
+      return statistics.mean(values) if values else None
+
+    scored = [(final(v), v) for v in mine if final(v) is not None]
+    best = (max(scored) if higher else min(scored))[1] if len(scored) > 1 else None
     for variant in ["", *mine]:
       group = [r for r in runs if r["algorithm"] == algorithm and r["variant"] == variant
                and r["delay"] == 0]
@@ -237,6 +247,8 @@ def ablation_table(runs: list[dict], meta: dict, key: str, label: str) -> list[s
       overrides = ", ".join(f"`{o}`" for o in meta.get("variants", {}).get(variant, []))
       name = f"{NAMES[algorithm]} {variant} ({overrides})" if variant else (
           f"{NAMES[algorithm]} (config)")
+      if variant == best:
+        name = f"**{name}, best**"
       lines.append(result_row(name, group, key) + " " + mean_std(
           [r["summary"].get("consensus_distance") for r in group], 3) + " |")
   return lines
@@ -342,6 +354,8 @@ def draw_figures(name: str, sweep: dict, out_dir: pathlib.Path, link_dir: str) -
   import matplotlib.pyplot as plt
 
   runs = [r for r in sweep["runs"] if not r["variant"]]
+  if not runs:  # only variants (a search): their table says it all
+    return {}
   key, _ = metric_key(runs)
   algorithms = [a for a in ORDER if any(r["algorithm"] == a for r in runs)]
   out_dir.mkdir(parents=True, exist_ok=True)
