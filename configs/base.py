@@ -13,7 +13,9 @@ def get_config() -> ml_collections.ConfigDict:
   # One of layup_jax.algorithms.names(): "layup", "ddp", "gosgd", "adpsgd", "local_sgd",
   # "slowmo", "co2", "diloco".
   config.algorithm = "layup"
-  config.num_devices = 8  # M, the number of local devices that train (the first M of jax.devices())
+  # M, the devices that train: the first M of jax.devices() (in a multi-process run, of every
+  # process, process 0's first).
+  config.num_devices = 8
   config.seed = 0  # seeds parameters, data order, peer choice and dropout
 
   config.model = ml_collections.ConfigDict()
@@ -155,6 +157,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.metrics.latency_every = 20
 
   config.progress_bar = True  # tqdm bar on stderr while training
+
+  # Several processes as one run (layup_jax/distributed.py; `python -m layup_jax.launch` starts
+  # them on one machine). "" = a single process; "auto" = JAX's cluster detection (SLURM, ...);
+  # else host:port of process 0, with num_processes and this process's process_id.
+  # num_devices then counts the devices of every process.
+  config.distributed = ml_collections.ConfigDict()
+  config.distributed.coordinator_address = ""
+  config.distributed.num_processes = 1
+  config.distributed.process_id = -1
+  config.distributed.heartbeat_timeout_s = 10  # a silent process is declared dead after this
   return config
 
 

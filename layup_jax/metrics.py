@@ -37,9 +37,13 @@ class MetricsWriter:
   too (tensorboardX's `purge_step`)."""
 
   def __init__(self, workdir: pathlib.Path, keep_through_step: int | None = None,
-               tensorboard: bool = False):
+               tensorboard: bool = False, files: bool = True):
+    """`files=False` keeps the records in memory only (a multi-process run's processes > 0)."""
     self.workdir = workdir
-    self._events = None
+    self._events, self._file = None, None
+    self.records: list[dict[str, Any]] = []  # every record of the run, as written
+    if not files:
+      return
     if tensorboard:
       from tensorboardX import SummaryWriter  # imported here: only runs that log events need it
 
@@ -53,24 +57,29 @@ class MetricsWriter:
     with self._path.open("w") as f:
       f.writelines(json.dumps(r) + "\n" for r in kept)
     self._file = self._path.open("a")
-    self.records: list[dict[str, Any]] = kept  # every record of the run, as written
+    self.records = kept
 
   def write(self, record: dict[str, Any]) -> None:
     record = {k: _clean(v) for k, v in record.items()}
+    self.records.append(record)
+    if self._file is None:
+      return
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
-    self.records.append(record)
     if self._events is not None and "step" in record:
       for tag, value in scalars(record).items():
         self._events.add_scalar(tag, value, record["step"])
       self._events.flush()
 
   def write_summary(self, summary: dict[str, Any]) -> None:
+    if self._file is None:
+      return
     text = json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2)
     (self.workdir / "summary.json").write_text(text + "\n")
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._events is not None:
       self._events.close()
 

@@ -21,6 +21,7 @@ from layup_jax import (
   checkpointing,
   compile_cache,
   data,
+  distributed,
   flops,
   measurements,
   models,
@@ -106,6 +107,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
   saves a checkpoint and returns `{"stopped": True, "step": ...}` without a summary.
   """
   validate_config(config, len(jax.devices()))
+  distributed.check_supported(config)
   compile_cache.enable(config.get("compilation_cache_dir", ""))
   workdir = pathlib.Path(workdir)
   try:
@@ -120,7 +122,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
   num_steps = resolve_num_steps(config, dataset.steps_per_epoch)
   tx = optim.make_optimizer(config.optimizer, num_steps, dataset.steps_per_epoch)
   runtime = algorithms.build_runtime(config, model, tx, devices, dataset)
-  evaluator = Evaluator(model, dataset.test, devices[0])
+  primary = distributed.is_primary()  # process 0 evaluates and writes the records
+  evaluator = Evaluator(model, dataset.test, devices[0]) if primary else None
   checkpoints, writer = None, None
   start_step, train_time = 0, 0.0
   flops_per_iteration, peak = None, flops.peak_flops(devices[0])
@@ -141,7 +144,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       latencies = [old + new for old, new in zip(latencies or [[] for _ in recent], recent)]
     return measurements.stage_latency_ms(recent)
 
-  def evaluate(step: int, write: bool = True) -> dict[str, Any]:
+  def evaluate(step: int, write: bool = True) -> dict[str, Any] | None:
+    if evaluator is None:
+      return None
     train_loss = runtime.train_loss()
     sums = runtime.weight_sums()
     common = {"step": step, "time_s": train_time, "weight_sum_min": min(sums),
@@ -182,7 +187,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       if restored is not None:
         start_step, train_time = restored
     writer = MetricsWriter(workdir, keep_through_step=start_step if start_step else None,
-                           tensorboard=config.metrics.get("tensorboard", False))
+                           tensorboard=config.metrics.get("tensorboard", False), files=primary)
     compile_start = time.perf_counter()
     runtime.compile()
     compile_s = time.perf_counter() - compile_start
@@ -197,7 +202,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     evaluate_at = set(eval_steps(num_steps, config.eval_every))
     step, stopped = start_step, False
     bar = tqdm.tqdm(total=num_steps, initial=start_step, desc=f"{config.algorithm} x{num_devices}",
-                    unit="step", disable=not config.progress_bar, file=sys.stderr,
+                    unit="step", disable=not (config.progress_bar and primary), file=sys.stderr,
                     dynamic_ncols=True)
     with bar:
       for target in sorted(s for s in evaluate_at | checkpoint_at if s > start_step):
@@ -211,7 +216,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         if step < target:
           stopped = True
           break
-        if target in evaluate_at:
+        if target in evaluate_at and primary:
           record = evaluate(step)
           bar.set_postfix(acc=f"{record['accuracy']:.3f}", loss=f"{record['loss']:.3f}")
         if target in checkpoint_at:
@@ -226,7 +231,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       return {"stopped": True, "step": step, "num_steps": num_steps,
               "checkpoint": str(checkpoints.directory / str(step))
               if checkpoints is not None and step in checkpoints.steps() else None}
-    if record is None:  # resumed from the final checkpoint: evaluate it again, write nothing
+    if record is None and primary:  # resumed from the final checkpoint: evaluate, write nothing
       record = evaluate(num_steps, write=False)
     if checkpoints is not None:
       checkpoints.wait()
@@ -238,6 +243,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     if checkpoints is not None:
       checkpoints.close()
 
+  if not primary:
+    return {"primary": False, "algorithm": config.algorithm, "num_steps": num_steps,
+            "wall_time_s": train_time, "compile_s": compile_s}
   summary = {
       "algorithm": config.algorithm,
       "num_devices": num_devices,

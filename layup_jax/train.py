@@ -20,7 +20,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from layup_jax import runner
+from layup_jax import distributed, runner
 from layup_jax.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
@@ -93,8 +93,9 @@ def main(argv: list[str]) -> None:
   except OSError as error:
     _fail_config_file(error)
   stop = StopRequest()
-  stop.install()
   try:
+    distributed.initialize(config.distributed)  # before anything touches a JAX backend
+    stop.install()  # after: JAX's preemption notifier would take SIGTERM otherwise
     summary = runner.run(config, _WORKDIR.value, should_stop=stop)
   except UserError as error:
     print(f"error: {error}", file=sys.stderr)
@@ -105,6 +106,8 @@ def main(argv: list[str]) -> None:
     print(f"stopped by {stop.signal_name} at step {summary['step']} of {summary['num_steps']}: "
           f"{where}; run the same command again to resume")
     return
+  if not summary.get("primary", True):
+    return  # process 0 prints the run's line
   print(
       f"{summary['algorithm']} on {summary['num_devices']} devices: final consensus test accuracy "
       f"{summary['final_eval_accuracy']:.4f}, loss {summary['final_eval_loss']:.4f}, "

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from layup_jax import flops, nonfinite
+from layup_jax import distributed, flops, nonfinite
 from layup_jax.algorithms.base import init_model
 from layup_jax.data import Dataset, TrainStreams
 from layup_jax.errors import NonFiniteError
@@ -89,12 +89,14 @@ class DDPRuntime:
     mesh = Mesh(np.asarray(devices), ("data",))
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._sharded = NamedSharding(mesh, PartitionSpec("data"))
-    self._train_batches = list(train_batches)
+    # This process feeds its own devices' slices of the global batch (all of them in one process).
+    self._local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    self._train_batches = [list(train_batches)[i] for i in self._local]
     self._example_batch = example_batch
-    self.params = jax.device_put(params, self._replicated)
-    self.state = jax.device_put(state, self._replicated)
+    self.params = distributed.put(params, self._replicated)
+    self.state = distributed.put(state, self._replicated)
     self.opt_state = jax.jit(tx.init, out_shardings=self._replicated)(self.params)
-    self._key = jax.device_put(jax.random.key(seed), self._replicated)
+    self._key = distributed.put(jax.random.key(seed), self._replicated)
     self._skip_nonfinite = nonfinite_policy == "skip"
     # Per-replica statistics only change something where there is BatchNorm state.
     per_replica = batch_norm == "replica" and bool(jax.tree.leaves(state))
@@ -115,16 +117,20 @@ class DDPRuntime:
 
   def _global_batch(self):
     batches = [next(it) for it in self._train_batches]
-    inputs = np.concatenate([b.inputs for b in batches])
-    targets = np.concatenate([b.targets for b in batches])
-    return jax.device_put((inputs, targets), self._sharded)
+    return self._shard(np.concatenate([b.inputs for b in batches]),
+                       np.concatenate([b.targets for b in batches]))
+
+  def _shard(self, inputs, targets):
+    """The global batch from this process's slices (its devices' batches, in device order)."""
+    return tuple(jax.make_array_from_process_local_data(self._sharded, a)
+                 for a in (inputs, targets))
 
   def compile(self) -> None:
     """Replaces the jitted step by its compiled executable, so the loop cannot recompile."""
     example = self._example_batch
-    args = jax.device_put((np.concatenate([example.inputs] * self.num_devices),
-                           np.concatenate([example.targets] * self.num_devices)), self._sharded)
-    iteration = jax.device_put(np.int32(0), self._replicated)
+    args = self._shard(np.concatenate([example.inputs] * len(self._local)),
+                       np.concatenate([example.targets] * len(self._local)))
+    iteration = distributed.put(np.int32(0), self._replicated)
     avals = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
         (self.params, self.state, self.opt_state),
@@ -152,7 +158,7 @@ class DDPRuntime:
     while self.iterations_done() < iterations and not should_stop():
       self._clock.start_iteration()
       inputs, targets = self._global_batch()
-      iteration = jax.device_put(np.int32(self._steps_done), self._replicated)
+      iteration = distributed.put(np.int32(self._steps_done), self._replicated)
       self.params, self.state, self.opt_state, loss, finite = self._step(
           self.params, self.state, self.opt_state, inputs, targets, self._key, iteration
       )
@@ -170,7 +176,10 @@ class DDPRuntime:
 
   def snapshot(self) -> Snapshot:
     ones = [[1.0] * len(self.params)]
-    return Snapshot(params=[list(self.params)], state=[list(self.state)], weights=ones,
+    # This process's copy of the replicated model (in a multi-process run the global arrays
+    # span devices it cannot read).
+    local = lambda tree: jax.tree.map(lambda a: a.addressable_data(0), list(tree))
+    return Snapshot(params=[local(self.params)], state=[local(self.state)], weights=ones,
                     state_weights=ones)
 
   def train_loss(self) -> float:
@@ -220,10 +229,10 @@ class DDPRuntime:
                         self._arrays())
 
   def load_state_dict(self, arrays, meta) -> None:
-    arrays = jax.device_put(arrays, self._replicated)
+    arrays = distributed.put(arrays, self._replicated)
     self.params, self.state = arrays["params"], arrays["state"]
     self.opt_state = arrays["opt_state"]
-    self._key = jax.device_put(jax.random.wrap_key_data(arrays["key"]), self._replicated)
+    self._key = distributed.put(jax.random.wrap_key_data(arrays["key"]), self._replicated)
     self._steps_done, self._skipped = int(meta["steps_done"]), int(meta["skipped"])
     self._losses = list(meta["losses"])
     self._clock.set_state(meta["clock"])

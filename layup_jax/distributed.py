@@ -1,0 +1,116 @@
+"""Several processes (hosts, or GPUs of one host) as one run, on JAX's own distributed runtime.
+
+`initialize(config.distributed)` calls `jax.distributed.initialize` with the config's keys; it
+must run before anything touches a JAX backend (`jax.devices()`, a `device_put`, a jit), so the
+command line calls it first. After it, `jax.devices()` lists every process's devices, ordered by
+process (process 0's first), and `config.num_devices` counts them all.
+
+A run's devices are `jax.devices()[:num_devices]`; a device's *position* in that list is its
+global index (device ids are not positions: on CPU, process 1's ids start at 2048). Each process
+feeds only its own devices (`local_positions`), and only process 0 writes records
+(`is_primary`).
+"""
+
+import dataclasses
+
+import jax
+import ml_collections
+import numpy as np
+
+from layup_jax.errors import ConfigError
+
+AUTO = "auto"  # distributed.coordinator_address: JAX's cluster auto-detection (SLURM, ...)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What `jax.distributed.initialize` is given; `None` fields are left to JAX to detect."""
+
+  coordinator_address: str | None
+  num_processes: int | None
+  process_id: int | None
+  heartbeat_timeout_s: int
+
+
+def settings(config: ml_collections.ConfigDict) -> Settings | None:
+  """The initialize arguments of `config.distributed`, or None for a single-process run; a bad
+  combination raises ConfigError (one line)."""
+  address = config.coordinator_address
+  if not address:
+    if config.num_processes > 1 or config.process_id >= 0:
+      raise ConfigError("config.distributed.num_processes/process_id need "
+                        "config.distributed.coordinator_address (host:port of process 0)")
+    return None
+  if address == AUTO:
+    return Settings(None, None, None, config.heartbeat_timeout_s)
+  if ":" not in address:
+    raise ConfigError(f"config.distributed.coordinator_address={address!r}: host:port of "
+                      f"process 0 (for example 127.0.0.1:12355), or {AUTO!r}")
+  if config.num_processes < 1 or not 0 <= config.process_id < config.num_processes:
+    raise ConfigError(
+        f"config.distributed: process_id={config.process_id} must be in [0, num_processes="
+        f"{config.num_processes}) when the coordinator address is given")
+  return Settings(address, config.num_processes, config.process_id, config.heartbeat_timeout_s)
+
+
+def initialize(config: ml_collections.ConfigDict) -> bool:
+  """Joins the distributed run `config` describes (before any backend use); False when the run
+  is a single process. Idempotent."""
+  chosen = settings(config)
+  if chosen is None:
+    return False
+  if jax.distributed.is_initialized():
+    return True
+  jax.distributed.initialize(
+      coordinator_address=chosen.coordinator_address,
+      num_processes=chosen.num_processes,
+      process_id=chosen.process_id,
+      heartbeat_timeout_seconds=chosen.heartbeat_timeout_s,
+  )
+  return True
+
+
+def is_primary() -> bool:
+  """Whether this process writes the run's records (metrics, summary, plots): process 0."""
+  return jax.process_index() == 0
+
+
+def local_positions(devices) -> list[int]:
+  """Positions in `devices` of the devices this process drives."""
+  me = jax.process_index()
+  return [i for i, d in enumerate(devices) if d.process_index == me]
+
+
+# What runs across processes so far; the rest is refused in one line before anything is built.
+MULTI_PROCESS_ALGORITHMS = ("ddp",)
+
+
+def check_supported(config: ml_collections.ConfigDict) -> None:
+  """Refuses, in one line, what a multi-process run cannot do yet."""
+  if jax.process_count() == 1:
+    return
+  if config.algorithm not in MULTI_PROCESS_ALGORITHMS:
+    raise ConfigError(f"config.algorithm={config.algorithm!r}: across processes only "
+                      f"{list(MULTI_PROCESS_ALGORITHMS)} run so far; run it in one process")
+  if config.checkpoint.enabled:
+    raise ConfigError("config.checkpoint.enabled=True: checkpoints of multi-process runs are "
+                      "not built yet; set it to False")
+  if config.straggler.device >= 0:
+    raise ConfigError("config.straggler.device: no straggler injection across processes yet")
+
+
+def put(tree, sharding: jax.sharding.Sharding):
+  """`jax.device_put(tree, sharding)` for a sharding that may span other processes' devices: every
+  process passes the same host values (numpy, or arrays it can read) and places its own part.
+  PRNG key arrays keep their type."""
+  if sharding.is_fully_addressable:
+    return jax.device_put(tree, sharding)
+
+  def place(leaf):
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(place(jax.random.key_data(leaf)),
+                                      impl=jax.random.key_impl(leaf))
+    value = np.asarray(leaf)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+  return jax.tree.map(place, tree)

@@ -1,0 +1,107 @@
+"""Starts a multi-process run on this machine: N training processes joined by JAX's runtime.
+
+  python -m layup_jax.launch --processes 2 [--devices-per-process 4] -- \\
+      --config configs/<name>.py --workdir DIR [--config.key=value ...]
+
+Each process runs `python -m layup_jax.train` with the arguments after `--` and the
+`config.distributed` keys of its place (coordinator 127.0.0.1 on a free port, its process id).
+On CPU each process gets `--devices-per-process` fake devices (`num_devices` counts all of
+them); on GPUs a process takes the GPUs it sees (give each its own with CUDA_VISIBLE_DEVICES
+when starting processes by hand; on a cluster start one process per host or per GPU with the
+same keys, see the README). Process 0's output is shown as is, the others' prefixed `[pK]`.
+When one process fails, the others are stopped and the launcher exits with its status.
+"""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def commands(processes: int, port: int, train_args: list[str]) -> list[list[str]]:
+  """The train command of each process."""
+  return [[sys.executable, "-m", "layup_jax.train", *train_args,
+           f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+           f"--config.distributed.num_processes={processes}",
+           f"--config.distributed.process_id={k}"] for k in range(processes)]
+
+
+def environment(devices_per_process: int) -> dict[str, str]:
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                   if "xla_force_host_platform_device_count" not in f)
+  return {**os.environ, "PYTHONUNBUFFERED": "1",
+          "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
+          .strip()}
+
+
+def _relay(process: subprocess.Popen, prefix: str) -> None:
+  for line in process.stdout:
+    sys.stdout.write(prefix + line if prefix else line)
+    sys.stdout.flush()
+
+
+def run(processes: int, devices_per_process: int, train_args: list[str]) -> int:
+  """Runs the processes to the end; the first failure's exit status (0 when all succeed)."""
+  env = environment(devices_per_process)
+  children = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, bufsize=1)
+              for command in commands(processes, free_port(), train_args)]
+  relays = [threading.Thread(target=_relay, args=(child, f"[p{k}] " if k else ""), daemon=True)
+            for k, child in enumerate(children)]
+  for relay in relays:
+    relay.start()
+
+  def forward(signum, frame):  # Ctrl-C / SIGTERM: every process saves and stops
+    for child in children:
+      if child.poll() is None:
+        child.send_signal(signum)
+
+  signal.signal(signal.SIGINT, forward)
+  signal.signal(signal.SIGTERM, forward)
+  status = 0
+  while any(child.poll() is None for child in children):
+    failed = [(k, c.returncode) for k, c in enumerate(children) if c.returncode not in (None, 0)]
+    if failed and not status:
+      status = failed[0][1]
+      print(f"launch: process {failed[0][0]} exited with status {status}; stopping the others",
+            file=sys.stderr, flush=True)
+      for child in children:
+        if child.poll() is None:
+          child.kill()
+    time.sleep(0.1)
+  for relay in relays:
+    relay.join(timeout=5)
+  if not status:
+    status = next((c.returncode for c in children if c.returncode), 0)
+  return status
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(
+      description="Start N training processes on this machine, joined by JAX's distributed "
+                  "runtime; the arguments after -- go to python -m layup_jax.train.")
+  parser.add_argument("--processes", type=int, required=True)
+  parser.add_argument("--devices-per-process", type=int, default=4,
+                      help="fake CPU devices per process (CPU runs only)")
+  parser.add_argument("train_args", nargs=argparse.REMAINDER)
+  args = parser.parse_args(argv)
+  train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+  if args.processes < 1 or args.devices_per_process < 1:
+    parser.error("--processes and --devices-per-process must be >= 1")
+  if not train_args:
+    parser.error("give the train arguments after --, e.g. -- --config configs/digits.py")
+  sys.exit(run(args.processes, args.devices_per_process, train_args))
+
+
+if __name__ == "__main__":
+  main()
