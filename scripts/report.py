@@ -173,8 +173,9 @@ def sweep_tables(name: str, sweep: dict, figures: dict[str, str]) -> list[str]:
       lines.append(line)
   lines += consensus_tables(runs)
   lines += ablation_table(every_run, meta, key, label)
-  lines += ["", "### Figures", ""]
-  lines += [f"![{caption}]({path})" + "\n" for caption, path in figures.items()]
+  if figures:
+    lines += ["", "### Figures", ""]
+    lines += [f"![{caption}]({path})" + "\n" for caption, path in figures.items()]
   return lines
 
 
@@ -220,8 +221,11 @@ def ablation_table(runs: list[dict], meta: dict, key: str, label: str) -> list[s
   variants = sorted({(r["algorithm"], r["variant"]) for r in runs if r["variant"]})
   if not variants:
     return []
-  lines = ["", "### Ablations (no straggler)", "",
-           ("Each variant is the config with the overrides shown, the same seeds; the first row "
+  search = not any(not r["variant"] for r in runs)  # variants only: a search
+  lines = ["", "### Search (no straggler)" if search else "### Ablations (no straggler)", "",
+           ("Each row is the config with the overrides shown; in bold each method's best "
+            "final value, the setting a search picks." if search else
+            "Each variant is the config with the overrides shown, the same seeds; the first row "
             "of each method is the config as it is."), "",
            (f"| variant | final {label} | best {label} | training time (s) | time to target (s) "
             "| time to convergence (s) | samples/s | MFU | update latency (ms) | consensus "
@@ -266,9 +270,9 @@ def verdict(difference: float, noise: float, better_if_positive: bool = True) ->
 def claims_table(runs: list[dict], key: str, higher: bool) -> list[str]:
   """The paper's claims, checked on these runs (each row: what was compared and the verdict).
 
-  Noise is the larger of the two methods' standard deviations over seeds (0 with one seed, so
-  one seed never says "within noise"); a claim holds when the difference is in the paper's
-  direction by more than that."""
+  Noise is the larger of the two methods' standard deviations over seeds; with one seed of
+  either there is no estimate of it (0), and the verdict says "(one seed)". A claim holds when
+  the difference is in the paper's direction by more than the noise."""
   def group(algorithm, mode="host", delay=0.0):
     return [r for r in runs if r["algorithm"] == algorithm and in_condition(r, mode, delay)]
 
@@ -277,6 +281,9 @@ def claims_table(runs: list[dict], key: str, higher: bool) -> list[str]:
 
   def spread(xs):
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+  def one_seed(a, b):
+    return " (one seed)" if min(len(a), len(b)) < 2 else ""
 
   layup, ddp, gosgd = group("layup"), group("ddp"), group("gosgd")
   if not (layup and ddp):
@@ -288,14 +295,14 @@ def claims_table(runs: list[dict], key: str, higher: bool) -> list[str]:
   measured = (f"{statistics.mean(a):.4f} vs {statistics.mean(b):.4f} ({len(a)} and {len(b)} "
               "seeds)")
   rows.append((f"LayUp's final test {key} >= DDP's", measured,
-               verdict(diff, max(spread(a), spread(b)), higher)))
+               verdict(diff, max(spread(a), spread(b)), higher) + one_seed(a, b)))
   a, b = values(layup, "time_to_target_s"), values(ddp, "time_to_target_s")
   if a and b:
     diff = statistics.mean(b) - statistics.mean(a)
     measured = (f"{statistics.mean(a):.3g} s vs {statistics.mean(b):.3g} s (seeds reaching "
                 f"it: {len(a)}/{len(layup)}, {len(b)}/{len(ddp)})")
     rows.append(("LayUp reaches the target sooner than DDP (training time)", measured,
-                 verdict(diff, max(spread(a), spread(b)))))
+                 verdict(diff, max(spread(a), spread(b))) + one_seed(a, b)))
   if gosgd:
     mine, theirs = (dict(zip(*[mean_curve(g, "consensus_distance")[i] for i in (0, 2)]))
                     for g in (layup, gosgd))

@@ -82,8 +82,8 @@ def test_the_report_tables_and_figures_come_from_the_runs(tiny_config, tmp_path)
   claims = text.split("### The paper's claims here")[1].split("###")[0]
   layup, ddp = (summaries[a, 0.0]["final_eval_accuracy"] for a in ("layup", "ddp"))
   assert f"| {layup:.4f} vs {ddp:.4f} (1 and 1 seeds) |" in claims
-  assert ("| holds |" if layup > ddp else "| does not hold |" if layup < ddp
-          else "| within noise |") in claims.split("\n")[6]  # one seed: no noise
+  assert ("| holds (one seed) |" if layup > ddp else "| does not hold (one seed) |"
+          if layup < ddp else "| within noise (one seed) |") in claims.split("\n")[6]
 
   # A device-side straggler's runs and an ablation's get their own tables and figure (here
   # copies of the runs above under those names: the report reads what the folders hold).
@@ -101,6 +101,14 @@ def test_the_report_tables_and_figures_come_from_the_runs(tiny_config, tmp_path)
   no_straggler = text.split("### No straggler")[1].split("###")[0]
   assert no_straggler.count("| LayUp |") == 1  # the variant is not a row of the main table
   assert (results / "figures" / "tiny_straggler_device.png").exists()
+
+  # A sweep of variants only is a search: its table says so, the best is marked, no figures.
+  search = report.collect(workdir)
+  search["runs"] = [r for r in search["runs"] if r["variant"]]
+  text = report.render({"search": search}, results, tmp_path / "search.md")
+  section = text.split("## search")[1].split("\n## ")[0]
+  assert "### Search (no straggler)" in section and "### Ablations" not in section
+  assert "### Figures" not in section
 
 
 def test_a_claim_holds_only_beyond_the_noise():
