@@ -24,8 +24,9 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
+from absl import flags, logging
 
+from layup_jax import distributed
 from layup_jax.errors import ConfigError, StorageError
 
 PyTree = Any
@@ -86,7 +87,8 @@ def unpack(packed: dict[str, dict[str, np.ndarray]], template: dict[str, Any]) -
       flat = packed[name][dtype]
       if start + size > flat.size:
         raise ValueError(f"checkpoint unit {name} holds fewer {dtype} values than this run needs")
-      arrays.append(jax.device_put(flat[start:start + size].reshape(leaf.shape), leaf.sharding))
+      arrays.append(distributed.put(flat[start:start + size].reshape(leaf.shape),
+                                    leaf.sharding))
       offsets[dtype] = start + size
     units[name] = jax.tree.unflatten(treedef, arrays)
   tree = {}
@@ -176,6 +178,11 @@ class Checkpoints:
     self._pending: list[concurrent.futures.Future] = []
 
   def _open(self) -> ocp.CheckpointManager:
+    if jax.process_count() > 1:
+      # Orbax's default barrier between processes is a device collective, which, run from the
+      # save thread while the training step runs its own collectives, deadlocks (the processes
+      # order the two differently); the coordination service's barrier touches no device.
+      flags.FLAGS.experimental_orbax_use_distributed_barrier = True
     # Read only (another run's folder): no folder created, no leftover temporary save of a run
     # that may still be writing there cleaned up.
     options = ocp.CheckpointManagerOptions(

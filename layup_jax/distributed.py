@@ -8,10 +8,15 @@ process (process 0's first), and `config.num_devices` counts them all.
 A run's devices are `jax.devices()[:num_devices]`; a device's *position* in that list is its
 global index (device ids are not positions: on CPU, process 1's ids start at 2048). Each process
 feeds only its own devices (`local_positions`), and only process 0 writes records
-(`is_primary`).
+(`is_primary`). Checkpoints are one Orbax checkpoint of the whole run, written by every process
+together into the workdir, which must be on a filesystem every process sees; a stop request
+(SIGTERM, Ctrl-C) takes effect at the next evaluation or checkpoint, where the processes agree
+on it. Across processes run so far: DDP (`MULTI_PROCESS_ALGORITHMS`).
 """
 
 import dataclasses
+import itertools
+import json
 
 import jax
 import ml_collections
@@ -92,9 +97,6 @@ def check_supported(config: ml_collections.ConfigDict) -> None:
   if config.algorithm not in MULTI_PROCESS_ALGORITHMS:
     raise ConfigError(f"config.algorithm={config.algorithm!r}: across processes only "
                       f"{list(MULTI_PROCESS_ALGORITHMS)} run so far; run it in one process")
-  if config.checkpoint.enabled:
-    raise ConfigError("config.checkpoint.enabled=True: checkpoints of multi-process runs are "
-                      "not built yet; set it to False")
   if config.straggler.device >= 0:
     raise ConfigError("config.straggler.device: no straggler injection across processes yet")
 
@@ -114,3 +116,32 @@ def put(tree, sharding: jax.sharding.Sharding):
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
   return jax.tree.map(place, tree)
+
+
+_GATHER_TIMEOUT_MS = 120_000
+_gathers = itertools.count()  # every process gathers in the same order: the n-th call meets
+
+
+def all_gather_json(value) -> list:
+  """Every process's `value` (JSON-serializable), in process order, through the coordination
+  service's key-value store (no device collective); every process must call it, in the same
+  order."""
+  if jax.process_count() == 1:
+    return [value]
+  from jax._src import distributed as jax_distributed  # the runtime's client: no public handle
+
+  client = jax_distributed.global_state.client
+  prefix = f"layup_jax/gather/{next(_gathers)}"
+  client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(value))
+  return [json.loads(client.blocking_key_value_get(f"{prefix}/{k}", _GATHER_TIMEOUT_MS))
+          for k in range(jax.process_count())]
+
+
+def data_states(iterators, devices) -> list:
+  """Every device's train-iterator state, in device order, each read by the process that feeds
+  the device (the others' copies of an iterator never advance)."""
+  mine = {str(i): iterators[i].get_state() for i in local_positions(devices)}
+  merged = {}
+  for part in all_gather_json(mine):
+    merged.update(part)
+  return [merged[str(i)] for i in range(len(iterators))]

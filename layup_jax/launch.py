@@ -69,12 +69,15 @@ def run(processes: int, devices_per_process: int, train_args: list[str]) -> int:
   signal.signal(signal.SIGINT, forward)
   signal.signal(signal.SIGTERM, forward)
   status = 0
-  while any(child.poll() is None for child in children):
+  while [child.poll() for child in children].count(None):  # polls each (any() would stop early)
     failed = [(k, c.returncode) for k, c in enumerate(children) if c.returncode not in (None, 0)]
     if failed and not status:
-      status = failed[0][1]
-      print(f"launch: process {failed[0][0]} exited with status {status}; stopping the others",
-            file=sys.stderr, flush=True)
+      k, code = failed[0]
+      status = code if code > 0 else 128 - code  # the shell's status of a killed process
+      how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+             else f"exited with status {code}")
+      print(f"launch: process {k} {how}; stopping the others (rerun the same command to resume "
+            f"from the last checkpoint)", file=sys.stderr, flush=True)
       for child in children:
         if child.poll() is None:
           child.kill()
@@ -82,7 +85,8 @@ def run(processes: int, devices_per_process: int, train_args: list[str]) -> int:
   for relay in relays:
     relay.join(timeout=5)
   if not status:
-    status = next((c.returncode for c in children if c.returncode), 0)
+    status = next((c.returncode if c.returncode > 0 else 128 - c.returncode
+                   for c in children if c.returncode), 0)
   return status
 
 

@@ -173,7 +173,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     arrays, runtime_meta = runtime.state_dict()
     checkpoints.save(step, arrays, {
         "step": step, "train_time_s": train_time, "runtime": runtime_meta,
-        "data": [iterator.get_state() for iterator in dataset.train],
+        "data": distributed.data_states(dataset.train, devices),
         "config": config.to_json_best_effort(), "saved_at": time.time()},
         arrays_stay_valid=not runtime.donates_buffers)
 
@@ -201,16 +201,23 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                         if checkpoints else [])
     evaluate_at = set(eval_steps(num_steps, config.eval_every))
     step, stopped = start_step, False
+    stop_now, stop_within = should_stop, should_stop
+    if jax.process_count() > 1:
+      # Processes stop together, at the next evaluation or checkpoint: one that stopped alone
+      # would leave the others waiting in a collective (a stop request reaches each process
+      # at its own moment; they agree on it here).
+      stop_now = lambda: any(distributed.all_gather_json(bool(should_stop())))
+      stop_within = lambda: False
     bar = tqdm.tqdm(total=num_steps, initial=start_step, desc=f"{config.algorithm} x{num_devices}",
                     unit="step", disable=not (config.progress_bar and primary), file=sys.stderr,
                     dynamic_ncols=True)
     with bar:
       for target in sorted(s for s in evaluate_at | checkpoint_at if s > start_step):
-        if should_stop():
+        if stop_now():
           stopped = True
           break
         start = time.perf_counter()
-        runtime.run_until(target * num_devices, _Progress(bar, num_devices), should_stop)
+        runtime.run_until(target * num_devices, _Progress(bar, num_devices), stop_within)
         train_time += time.perf_counter() - start
         step = runtime.iterations_done() // num_devices
         if step < target:

@@ -1,9 +1,13 @@
 """Several processes as one run, on JAX's distributed runtime: 2 processes x 4 CPU devices on
 127.0.0.1 against one process with 8 devices."""
 
+import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,30 +24,62 @@ def _overrides(settings: dict) -> list[str]:
   return [f"--config.{key}={value}" for key, value in settings.items()]
 
 
-def _launch(workdir, overrides: dict, processes=2, timeout=420) -> subprocess.CompletedProcess:
-  return subprocess.run(
-      [sys.executable, "-m", "layup_jax.launch", "--processes", str(processes),
-       "--devices-per-process", str(8 // processes), "--", "--config", "configs/digits.py",
-       "--workdir", str(workdir), *_overrides(overrides)],
-      cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+def _launcher(workdir, settings: dict, processes=2) -> list[str]:
+  return [sys.executable, "-m", "layup_jax.launch", "--processes", str(processes),
+          "--devices-per-process", str(8 // processes), "--", "--config", "configs/digits.py",
+          "--workdir", str(workdir), *_overrides(settings)]
 
 
 def _losses(workdir) -> list[tuple[int, str, float]]:
   return [(r["step"], r["split"], r["loss"]) for r in read_metrics(workdir)]
 
 
-def test_ddp_across_two_processes_takes_the_steps_of_one_process_with_eight_devices(tmp_path):
-  settings = {"algorithm": "ddp", "model.widths": "(4,8,8)", "num_steps": 12, "eval_every": 6,
-              "checkpoint.enabled": False, "progress_bar": False}
-  launched = _launch(tmp_path / "two", settings)
-  assert launched.returncode == 0, launched.stdout[-3000:]
+def _wait_for(path: pathlib.Path, process: subprocess.Popen, timeout: float) -> None:
+  deadline = time.monotonic() + timeout
+  while not path.exists():
+    assert process.poll() is None, process.communicate()[0][-3000:]
+    assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+    time.sleep(0.1)
+
+
+def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_process(tmp_path):
+  """2 processes x 4 devices: process 1 is killed after the first checkpoint; the launcher
+  stops the run within 30 s in one line naming it; the same command resumes; every loss the
+  run records equals the one-process 8-device run's."""
+  settings = {"algorithm": "ddp", "model.widths": "(4,8,8)", "num_steps": 20,
+              "eval_every": 10, "checkpoint.every": 10, "progress_bar": False}
+  two = tmp_path / "two"
+  command = _launcher(two, settings)
+  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for(two / "checkpoints" / "10", launcher, timeout=300)
+    victim = subprocess.run(["pgrep", "-f", f"workdir {two} .*process_id=1"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert len(victim) == 1, victim
+    os.kill(int(victim[0]), signal.SIGKILL)
+    killed = time.monotonic()
+    output = launcher.communicate(timeout=60)[0]
+    assert time.monotonic() - killed < 30
+  finally:
+    launcher.kill()
+  assert launcher.returncode == 128 + signal.SIGKILL
+  assert "launch: process 1 was killed by SIGKILL; stopping the others" in output
+  assert not (two / "summary.json").exists()
+
+  rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=420,
+                         check=False)
+  assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+  summary = json.loads((two / "summary.json").read_text())
+  assert 10 <= summary["resumed_from_step"] < 20
+
   config = base.get_config()
   base.set_values(config, {**settings, "model.widths": (4, 8, 8)})
   runner.run(config, tmp_path / "one")
-  two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
-  assert [(s, k) for s, k, _ in two] == [(s, k) for s, k, _ in one]
-  assert len(one) == 5  # the evaluation at 0, then train and test records at 6 and 12
-  for (_, _, a), (_, _, b) in zip(two, one, strict=True):
+  resumed, one = _losses(two), _losses(tmp_path / "one")
+  assert [(s, k) for s, k, _ in resumed] == [(s, k) for s, k, _ in one]
+  assert len(one) == 5  # the evaluation at 0, then train and test records at 10 and 20
+  for (_, _, a), (_, _, b) in zip(resumed, one, strict=True):
     assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
 
 
