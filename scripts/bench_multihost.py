@@ -1,0 +1,102 @@
+"""Training throughput of a run split over processes against the same run in one process.
+
+Each repeat runs every (algorithm, layout) back to back: `1x8` is one process with 8 devices
+(`python -m layup_jax.train`), `2x4` two processes with 4 devices each, joined by JAX's
+distributed runtime on 127.0.0.1 (`python -m layup_jax.launch`); the table reports medians
+over repeats of training samples per second (compilation and evaluation excluded, from
+`summary.json`) and the ratio 2x4 / 1x8 of each repeat. On one machine the two processes share
+its cores, so the ratio measures what crossing processes costs (collectives over gloo's TCP,
+the coordination service), not what a second host adds.
+
+Across processes only DDP runs so far (layup_jax/distributed.py); the gossip algorithms and
+their per-send latency come when they do.
+
+  python scripts/bench_multihost.py --algorithms ddp --num-steps 60 --repeats 3 --out m.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from layup_jax import provenance
+
+
+def run(layout: str, algorithm: str, args, workdir: str) -> dict:
+  processes, per_process = (int(n) for n in layout.split("x"))
+  train = ["--config", args.config, "--workdir", workdir, f"--config.algorithm={algorithm}",
+           f"--config.num_steps={args.num_steps}", "--config.eval_every=0",
+           "--config.checkpoint.enabled=False", "--config.progress_bar=False",
+           f"--config.compilation_cache_dir={args.cache}"]
+  if processes == 1:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={per_process}"}
+    command = [sys.executable, "-m", "layup_jax.train", *train]
+  else:
+    env = dict(os.environ)
+    command = [sys.executable, "-m", "layup_jax.launch", "--processes", str(processes),
+               "--devices-per-process", str(per_process), "--", *train]
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          check=False)
+  if result.returncode:
+    sys.exit(f"{layout} {algorithm} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  return {"layout": layout, "algorithm": algorithm,
+          "samples_per_s": summary["train_samples_per_s"],
+          "wall_time_s": summary["wall_time_s"], "compile_s": summary["compile_s"],
+          "final_eval_loss": summary["final_eval_loss"]}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", default="configs/digits.py")
+  parser.add_argument("--algorithms", nargs="+", default=["ddp"])
+  parser.add_argument("--layouts", nargs="+", default=["1x8", "2x4"])
+  parser.add_argument("--num-steps", type=int, default=60)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "bench_multihost_cc"))
+  parser.add_argument("--out", default="bench_multihost.json")
+  args = parser.parse_args()
+
+  runs = []
+  with tempfile.TemporaryDirectory() as scratch:
+    for repeat in range(args.repeats):
+      for algorithm in args.algorithms:
+        for layout in args.layouts:
+          record = run(layout, algorithm, args, os.path.join(scratch, f"{algorithm}-{layout}-"
+                                                             f"{repeat}"))
+          runs.append({**record, "repeat": repeat})
+          print(f"[{repeat}] {algorithm} {layout}: {record['samples_per_s']:.0f} samples/s, "
+                f"loss {record['final_eval_loss']:.6f}", flush=True)
+
+  table = []
+  reference = args.layouts[0]
+  for algorithm in args.algorithms:
+    for layout in args.layouts:
+      mine = [r for r in runs if r["algorithm"] == algorithm and r["layout"] == layout]
+      ratios = [r["samples_per_s"] / next(b["samples_per_s"] for b in runs
+                                          if b["algorithm"] == algorithm and b["repeat"]
+                                          == r["repeat"] and b["layout"] == reference)
+                for r in mine]
+      table.append({"algorithm": algorithm, "layout": layout,
+                    "samples_per_s": statistics.median(r["samples_per_s"] for r in mine),
+                    f"vs_{reference}": statistics.median(ratios),
+                    "final_eval_loss": [r["final_eval_loss"] for r in mine]})
+  print(f"\n| algorithm | layout | samples/s (median) | vs {reference} (median of repeats) |")
+  print("|---|---|---|---|")
+  for row in table:
+    print(f"| {row['algorithm']} | {row['layout']} | {row['samples_per_s']:.0f} | "
+          f"{row[f'vs_{reference}']:.2f} |")
+  with open(args.out, "w") as f:
+    json.dump({**provenance.stamp(), "args": vars(args), "table": table, "runs": runs}, f,
+              indent=2)
+
+
+if __name__ == "__main__":
+  main()
