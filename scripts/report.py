@@ -145,6 +145,8 @@ def sweep_tables(name: str, sweep: dict, figures: dict[str, str]) -> list[str]:
        "median time from its gradient being computed to its merge being computed on the peer "
        "(sampled iterations), averaged over stages."),
   ]
+  if meta.get("note"):  # what the sweep's runs shared the machine with, and the like
+    lines += ["", f"**Note**: {meta['note']}"]
   if data_note:
     lines += ["", data_note]
   if not meta.get("mock_tfds"):  # random labels: nothing to claim

@@ -102,6 +102,12 @@ def test_the_report_tables_and_figures_come_from_the_runs(tiny_config, tmp_path)
   assert no_straggler.count("| LayUp |") == 1  # the variant is not a row of the main table
   assert (results / "figures" / "tiny_straggler_device.png").exists()
 
+  # A note recorded in sweep.json is printed with the sweep.
+  noted = report.collect(workdir)
+  noted["meta"]["note"] = "other work ran beside these runs"
+  text = report.render({"noted": noted}, results, tmp_path / "noted.md")
+  assert "**Note**: other work ran beside these runs" in text
+
   # A sweep of variants only is a search: its table says so, the best is marked, no figures.
   search = report.collect(workdir)
   search["runs"] = [r for r in search["runs"] if r["variant"]]
