@@ -322,7 +322,12 @@ def test_no_device_trains_at_learning_rate_zero_before_the_run_ends():
     assert len(device_steps) == 3 * iterations[i]
     assert min(float(schedule(s)) for s in device_steps) > 0, (i, device_steps)
   assert max(max(s) for s in per_device.values()) == num_steps - 1
-  assert max(per_device[0]) >= num_steps - 6  # the straggler's last iteration: near the end
+  # The straggler's last iteration took the global step near the end: within two of its own
+  # mean periods (num_steps / iterations[0] global steps each) of it. Its own count would have
+  # ended at iterations[0] - 1. (A fixed margin of 6 steps assumed a speed ratio that a loaded
+  # machine does not keep: 22 against 24 once, its period then ~5 steps.)
+  assert max(per_device[0]) >= num_steps - 2 * num_steps / iterations[0]
+  assert max(per_device[0]) > 2 * (iterations[0] - 1)
 
 
 def test_the_step_driven_optimizers_equal_optax_with_its_own_count():

@@ -91,7 +91,8 @@ class DDPRuntime:
     self._sharded = NamedSharding(mesh, PartitionSpec("data"))
     # This process feeds its own devices' slices of the global batch (all of them in one process).
     self._local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
-    self._train_batches = [list(train_batches)[i] for i in self._local]
+    batches = list(train_batches)  # one iterator per device (none: a runtime that never trains)
+    self._train_batches = [batches[i] for i in self._local] if batches else []
     self._example_batch = example_batch
     self.params = distributed.put(params, self._replicated)
     self.state = distributed.put(state, self._replicated)
