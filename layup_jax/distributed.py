@@ -14,9 +14,14 @@ together into the workdir, which must be on a filesystem every process sees; a s
 on it. Across processes run so far: DDP (`MULTI_PROCESS_ALGORITHMS`).
 """
 
+import contextlib
 import dataclasses
 import itertools
 import json
+import os
+import sys
+import threading
+import time
 
 import jax
 import ml_collections
@@ -70,7 +75,8 @@ def initialize(config: ml_collections.ConfigDict) -> bool:
       coordinator_address=chosen.coordinator_address,
       num_processes=chosen.num_processes,
       process_id=chosen.process_id,
-      heartbeat_timeout_seconds=chosen.heartbeat_timeout_s,
+      # JAX's own detection, later than `Watchdog`'s, so that ours names the process first.
+      heartbeat_timeout_seconds=3 * chosen.heartbeat_timeout_s,
   )
   return True
 
@@ -145,3 +151,78 @@ def data_states(iterators, devices) -> list:
   for part in all_gather_json(mine):
     merged.update(part)
   return [merged[str(i)] for i in range(len(iterators))]
+
+
+class Watchdog:
+  """Ends this process with one line when another process of the run stops answering.
+
+  Each process's watchdog thread writes a counter to the coordination service's key-value
+  store every second and reads the others'. A process whose counter has not moved for
+  `timeout_s` (it died, or lost the coordinator; one waiting in a collective still answers,
+  the watchdog being a thread of its own) is named, and this process exits with status 4 at
+  once: a collective with a dead peer would otherwise wait, and JAX's own heartbeat, set
+  longer, would abort the process without saying which one. A process that finished says so
+  and is not waited for. Losing the coordinator (process 0) is reported the same way.
+  """
+
+  EXIT_STATUS = 4
+
+  def __init__(self, timeout_s: float, period_s: float = 1.0):
+    from jax._src import distributed as jax_distributed  # the runtime's client: no public handle
+
+    self._client = jax_distributed.global_state.client
+    self._me, self._count = jax.process_index(), jax.process_count()
+    self._timeout_s, self._period_s = timeout_s, period_s
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+    self._thread.start()
+
+  def _key(self, kind: str, k: int) -> str:
+    return f"layup_jax/{kind}/{k}"
+
+  def _watch(self) -> None:
+    beat, seen = 0, {}
+    started = time.monotonic()
+    while not self._stop.wait(self._period_s):
+      now = time.monotonic()
+      try:
+        beat += 1
+        self._client.key_value_set(self._key("alive", self._me), str(beat), allow_overwrite=True)
+        for k in range(self._count):
+          if k == self._me or self._exists(self._key("done", k)):
+            continue
+          value = self._value(self._key("alive", k))
+          if value is not None and value != seen.get(k, (None,))[0]:
+            seen[k] = (value, now)
+          last = seen.get(k, (None, started))[1]
+          if now - last > self._timeout_s:
+            self._die(f"process {k} of the run stopped answering for {self._timeout_s:g} s "
+                      f"(it died, or lost the coordinator)")
+      except Exception as error:  # noqa: BLE001 - the coordination service itself is gone
+        if self._stop.is_set():
+          return
+        self._die(f"lost the run's coordinator, process 0 ({type(error).__name__}: "
+                  f"{(str(error).splitlines() or [''])[0][:160]})")
+
+  def _value(self, key: str) -> str | None:
+    try:
+      return self._client.key_value_try_get(key)
+    except Exception as error:  # NOT_FOUND: not written yet (anything else is raised)
+      if "NOT_FOUND" in str(error):
+        return None
+      raise
+
+  def _exists(self, key: str) -> bool:
+    return self._value(key) is not None
+
+  def _die(self, why: str) -> None:
+    print(f"error: {why}; process {self._me} stops. Rerun the same command on every process to "
+          f"resume from the last checkpoint", file=sys.stderr, flush=True)
+    os._exit(self.EXIT_STATUS)
+
+  def finish(self) -> None:
+    """This process is done (or failed on its own): the others stop waiting for it."""
+    self._stop.set()
+    self._thread.join(timeout=5)
+    with contextlib.suppress(Exception):  # the service may be gone already: nothing to tell
+      self._client.key_value_set(self._key("done", self._me), "1", allow_overwrite=True)

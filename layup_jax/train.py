@@ -92,14 +92,18 @@ def main(argv: list[str]) -> None:
     config.keys()  # a config file that failed to load raises only when first used
   except OSError as error:
     _fail_config_file(error)
-  stop = StopRequest()
+  stop, watchdog = StopRequest(), None
   try:
-    distributed.initialize(config.distributed)  # before anything touches a JAX backend
+    if distributed.initialize(config.distributed):  # before anything touches a JAX backend
+      watchdog = distributed.Watchdog(config.distributed.heartbeat_timeout_s)
     stop.install()  # after: JAX's preemption notifier would take SIGTERM otherwise
     summary = runner.run(config, _WORKDIR.value, should_stop=stop)
   except UserError as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(error.exit_code)
+  finally:
+    if watchdog is not None:
+      watchdog.finish()
   if summary.get("stopped"):
     where = (f"checkpoint {summary['checkpoint']} saved" if summary["checkpoint"]
              else "nothing new to save")

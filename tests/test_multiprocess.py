@@ -14,7 +14,7 @@ import pytest
 from configs import base
 from layup_jax import distributed, runner
 from layup_jax.errors import ConfigError
-from layup_jax.launch import commands, environment
+from layup_jax.launch import commands, environment, free_port
 from layup_jax.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -81,6 +81,32 @@ def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_proc
   assert len(one) == 5  # the evaluation at 0, then train and test records at 10 and 20
   for (_, _, a), (_, _, b) in zip(resumed, one, strict=True):
     assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_path):
+  """Processes started by hand (as a cluster's starter does): process 1 is killed; process 0's
+  watchdog names it within 30 s and exits with status 4, and no successful run is cut short
+  (a process that finished early is not waited for)."""
+  settings = {"algorithm": "ddp", "model.widths": "(4,8,8)", "num_steps": 200,
+              "eval_every": 0, "checkpoint.every": 10, "progress_bar": False,
+              "distributed.heartbeat_timeout_s": 5}
+  work = tmp_path / "run"
+  args = ["--config", "configs/digits.py", "--workdir", str(work), *_overrides(settings)]
+  processes = [subprocess.Popen(command, cwd=ROOT, env=environment(4), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+               for command in commands(2, free_port(), args)]
+  try:
+    _wait_for(work / "checkpoints" / "10", processes[0], timeout=300)
+    processes[1].kill()
+    killed = time.monotonic()
+    output = processes[0].communicate(timeout=60)[0]
+    assert time.monotonic() - killed < 30
+  finally:
+    for process in processes:
+      process.kill()
+  assert processes[0].returncode == 4, output[-3000:]
+  assert ("error: process 1 of the run stopped answering for 5 s (it died, or lost the "
+          "coordinator); process 0 stops.") in output
 
 
 def test_the_launcher_gives_each_process_its_place_and_its_devices():
