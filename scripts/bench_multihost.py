@@ -6,12 +6,15 @@ distributed runtime on 127.0.0.1 (`python -m layup_jax.launch`); the table repor
 over repeats of training samples per second (compilation and evaluation excluded, from
 `summary.json`) and the ratio 2x4 / 1x8 of each repeat. On one machine the two processes share
 its cores, so the ratio measures what crossing processes costs (collectives over gloo's TCP,
-the coordination service), not what a second host adds.
+the coordination service), not what a second host adds. `2x4-netns` runs the two processes in
+two network namespaces joined by a veth pair (`scripts/netns_drill.sh`, as root): every byte
+between them crosses a network interface, as between hosts.
 
 Across processes only DDP runs so far (layup_jax/distributed.py); the gossip algorithms and
 their per-send latency come when they do.
 
   python scripts/bench_multihost.py --algorithms ddp --num-steps 60 --repeats 3 --out m.json
+  sudo python scripts/bench_multihost.py --layouts 1x8 2x4 2x4-netns --out m.json
 """
 
 import argparse
@@ -29,12 +32,16 @@ from layup_jax import provenance
 
 
 def run(layout: str, algorithm: str, args, workdir: str) -> dict:
-  processes, per_process = (int(n) for n in layout.split("x"))
+  processes, per_process = (int(n) for n in layout.removesuffix("-netns").split("x"))
   train = ["--config", args.config, "--workdir", workdir, f"--config.algorithm={algorithm}",
            f"--config.num_steps={args.num_steps}", "--config.eval_every=0",
            "--config.checkpoint.enabled=False", "--config.progress_bar=False",
            f"--config.compilation_cache_dir={args.cache}"]
-  if processes == 1:
+  if layout.endswith("-netns"):  # one process per network namespace, over a veth pair (root)
+    env = dict(os.environ)
+    command = ["bash", "scripts/netns_drill.sh", "--devices-per-process", str(per_process),
+               "--", *train]
+  elif processes == 1:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={per_process}"}
     command = [sys.executable, "-m", "layup_jax.train", *train]
   else:
