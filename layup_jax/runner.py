@@ -235,7 +235,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         save(step)  # unless this step's checkpoint was just saved
       if checkpoints is not None:
         checkpoints.wait()
-      return {"stopped": True, "step": step, "num_steps": num_steps,
+      return {"stopped": True, "primary": primary, "step": step, "num_steps": num_steps,
               "checkpoint": str(checkpoints.directory / str(step))
               if checkpoints is not None and step in checkpoints.steps() else None}
     if record is None and primary:  # resumed from the final checkpoint: evaluate, write nothing

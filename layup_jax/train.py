@@ -104,14 +104,14 @@ def main(argv: list[str]) -> None:
   finally:
     if watchdog is not None:
       watchdog.finish()
+  if not summary.get("primary", True):
+    return  # process 0 prints the run's line
   if summary.get("stopped"):
     where = (f"checkpoint {summary['checkpoint']} saved" if summary["checkpoint"]
              else "nothing new to save")
     print(f"stopped by {stop.signal_name} at step {summary['step']} of {summary['num_steps']}: "
           f"{where}; run the same command again to resume")
     return
-  if not summary.get("primary", True):
-    return  # process 0 prints the run's line
   print(
       f"{summary['algorithm']} on {summary['num_devices']} devices: final consensus test accuracy "
       f"{summary['final_eval_accuracy']:.4f}, loss {summary['final_eval_loss']:.4f}, "

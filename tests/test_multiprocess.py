@@ -83,6 +83,30 @@ def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_proc
     assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
 
 
+def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoint(tmp_path):
+  """The launcher forwards SIGTERM to every process; they agree to stop at the next evaluation
+  or checkpoint, save it together, and exit 0; the same command then resumes from it."""
+  settings = {"algorithm": "ddp", "model.widths": "(4,8,8)", "num_steps": 400,
+              "eval_every": 10, "checkpoint.every": 10, "progress_bar": False}
+  work = tmp_path / "run"
+  command = _launcher(work, settings)
+  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for(work / "checkpoints" / "10", launcher, timeout=300)
+    launcher.send_signal(signal.SIGTERM)
+    output = launcher.communicate(timeout=120)[0]
+  finally:
+    launcher.kill()
+  assert launcher.returncode == 0, output[-3000:]
+  stopped = [line for line in output.splitlines() if "stopped by SIGTERM at step" in line]
+  assert len(stopped) == 1 and not stopped[0].startswith("[p1]")  # process 0 says it
+  step = int(stopped[0].split("at step ")[1].split()[0])
+  assert step % 10 == 0 and 10 <= step < 400
+  assert (work / "checkpoints" / str(step)).exists()
+  assert not (work / "summary.json").exists()
+
+
 def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_path):
   """Processes started by hand (as a cluster's starter does): process 1 is killed; process 0's
   watchdog names it within 30 s and exits with status 4, and no successful run is cut short
