@@ -97,9 +97,17 @@ MULTI_PROCESS_ALGORITHMS = ("ddp",)
 
 
 def check_supported(config: ml_collections.ConfigDict) -> None:
-  """Refuses, in one line, what a multi-process run cannot do yet."""
+  """Refuses, in one line, what a multi-process run cannot do yet, and distributed keys that a
+  process not started through `initialize` would silently ignore."""
   if jax.process_count() == 1:
+    if settings(config.distributed) is not None:
+      raise ConfigError("config.distributed.coordinator_address is set, but this process did not "
+                        "join a distributed run: start it with python -m layup_jax.train (or "
+                        "call layup_jax.distributed.initialize before any JAX use)")
     return
+  if config.num_devices != len(jax.devices()):
+    raise ConfigError(f"config.num_devices={config.num_devices}: a multi-process run trains on "
+                      f"every process's devices, {len(jax.devices())} here")
   if config.algorithm not in MULTI_PROCESS_ALGORITHMS:
     raise ConfigError(f"config.algorithm={config.algorithm!r}: across processes only "
                       f"{list(MULTI_PROCESS_ALGORITHMS)} run so far; run it in one process")

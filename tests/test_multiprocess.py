@@ -158,6 +158,13 @@ def test_a_bad_distributed_setting_is_one_line(keys, message):
     distributed.settings(config)
 
 
+def test_distributed_keys_without_a_distributed_process_are_refused(tiny_config, tmp_path):
+  tiny_config.distributed.coordinator_address = "127.0.0.1:12355"
+  tiny_config.distributed.num_processes, tiny_config.distributed.process_id = 2, 0
+  with pytest.raises(ConfigError, match="did not join a distributed run"):
+    runner.run(tiny_config, tmp_path)
+
+
 def test_no_coordinator_is_a_single_process_run():
   assert distributed.settings(base.get_config().distributed) is None
   assert distributed.initialize(base.get_config().distributed) is False
