@@ -108,6 +108,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
   """
   validate_config(config, len(jax.devices()))
   distributed.check_supported(config)
+  code_version = provenance.code_version()  # the code that runs (a commit during it changes none)
   compile_cache.enable(config.get("compilation_cache_dir", ""))
   workdir = pathlib.Path(workdir)
   try:
@@ -280,7 +281,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       "resumed_from_step": start_step,
       "straggler_device": config.straggler.device,
       "straggler_delay_iters": config.straggler.delay_iters,
-      "code_version": provenance.code_version(),
+      "code_version": code_version,
   }
   writer.write_summary(summary)
   return summary

@@ -2,7 +2,7 @@
 
 import subprocess
 
-from layup_jax import provenance
+from layup_jax import provenance, runner
 
 
 def _git(where, *args):
@@ -32,3 +32,18 @@ def test_an_installed_copy_without_its_source_tree_has_no_version(tmp_path, monk
   monkeypatch.setattr(provenance, "_ROOT", tmp_path)  # no pyproject.toml: site-packages
   _git(tmp_path, "init", "-q")
   assert provenance.code_version() is None
+
+
+def test_a_run_is_labelled_with_the_code_it_started_with(tiny_config, tmp_path, monkeypatch):
+  """A commit made while a run trains does not relabel the run."""
+  version = {"now": "start"}
+  monkeypatch.setattr(provenance, "code_version", lambda: version["now"])
+
+  def commit_meanwhile() -> bool:  # polled while the run trains
+    version["now"] = "later"
+    return False
+
+  tiny_config.num_steps, tiny_config.checkpoint.enabled = 4, False
+  summary = runner.run(tiny_config, tmp_path, should_stop=commit_meanwhile)
+  assert version["now"] == "later"
+  assert summary["code_version"] == "start"
