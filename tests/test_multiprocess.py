@@ -42,6 +42,30 @@ def _wait_for(path: pathlib.Path, process: subprocess.Popen, timeout: float) -> 
     time.sleep(0.1)
 
 
+def _interrupt_after_first_checkpoint(command, work, interrupt, timeout=60):
+  """Starts `command`, calls `interrupt(process)` once `work` holds checkpoint 10; returns the
+  process, its output and the seconds from the interruption to its exit."""
+  process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for(work / "checkpoints" / "10", process, timeout=300)
+    interrupt(process)
+    start = time.monotonic()
+    output = process.communicate(timeout=timeout)[0]
+    return process, output, time.monotonic() - start
+  finally:
+    process.kill()
+
+
+def _kill_process_1(work):
+  def kill(_launcher):
+    victim = subprocess.run(["pgrep", "-f", f"workdir {work} .*process_id=1"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert len(victim) == 1, victim
+    os.kill(int(victim[0]), signal.SIGKILL)
+  return kill
+
+
 def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_process(tmp_path):
   """2 processes x 4 devices: process 1 is killed after the first checkpoint; the launcher
   stops the run within 30 s in one line naming it; the same command resumes; every loss the
@@ -50,19 +74,8 @@ def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_proc
               "eval_every": 10, "checkpoint.every": 10, "progress_bar": False}
   two = tmp_path / "two"
   command = _launcher(two, settings)
-  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-  try:
-    _wait_for(two / "checkpoints" / "10", launcher, timeout=300)
-    victim = subprocess.run(["pgrep", "-f", f"workdir {two} .*process_id=1"],
-                            capture_output=True, text=True, check=True).stdout.split()
-    assert len(victim) == 1, victim
-    os.kill(int(victim[0]), signal.SIGKILL)
-    killed = time.monotonic()
-    output = launcher.communicate(timeout=60)[0]
-    assert time.monotonic() - killed < 30
-  finally:
-    launcher.kill()
+  launcher, output, seconds = _interrupt_after_first_checkpoint(command, two, _kill_process_1(two))
+  assert seconds < 30
   assert launcher.returncode == 128 + signal.SIGKILL
   assert "launch: process 1 was killed by SIGKILL; stopping the others" in output
   assert not (two / "summary.json").exists()
@@ -85,19 +98,12 @@ def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_proc
 
 def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoint(tmp_path):
   """The launcher forwards SIGTERM to every process; they agree to stop at the next evaluation
-  or checkpoint, save it together, and exit 0; the same command then resumes from it."""
+  or checkpoint, save it together, and exit 0 (resuming is the kill test's)."""
   settings = {"algorithm": "ddp", "model.widths": "(4,8,8)", "num_steps": 400,
               "eval_every": 10, "checkpoint.every": 10, "progress_bar": False}
   work = tmp_path / "run"
-  command = _launcher(work, settings)
-  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-  try:
-    _wait_for(work / "checkpoints" / "10", launcher, timeout=300)
-    launcher.send_signal(signal.SIGTERM)
-    output = launcher.communicate(timeout=120)[0]
-  finally:
-    launcher.kill()
+  launcher, output, _ = _interrupt_after_first_checkpoint(
+      _launcher(work, settings), work, lambda p: p.send_signal(signal.SIGTERM), timeout=120)
   assert launcher.returncode == 0, output[-3000:]
   stopped = [line for line in output.splitlines() if "stopped by SIGTERM at step" in line]
   assert len(stopped) == 1 and not stopped[0].startswith("[p1]")  # process 0 says it
