@@ -136,15 +136,20 @@ _GATHER_TIMEOUT_MS = 120_000
 _gathers = itertools.count()  # every process gathers in the same order: the n-th call meets
 
 
+def _coordination_client():
+  """The coordination service's client of this process (JAX has no public handle to it)."""
+  from jax._src import distributed as jax_distributed
+
+  return jax_distributed.global_state.client
+
+
 def all_gather_json(value) -> list:
   """Every process's `value` (JSON-serializable), in process order, through the coordination
   service's key-value store (no device collective); every process must call it, in the same
   order."""
   if jax.process_count() == 1:
     return [value]
-  from jax._src import distributed as jax_distributed  # the runtime's client: no public handle
-
-  client = jax_distributed.global_state.client
+  client = _coordination_client()
   prefix = f"layup_jax/gather/{next(_gathers)}"
   client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(value))
   return [json.loads(client.blocking_key_value_get(f"{prefix}/{k}", _GATHER_TIMEOUT_MS))
@@ -176,9 +181,7 @@ class Watchdog:
   EXIT_STATUS = 4
 
   def __init__(self, timeout_s: float, period_s: float = 1.0):
-    from jax._src import distributed as jax_distributed  # the runtime's client: no public handle
-
-    self._client = jax_distributed.global_state.client
+    self._client = _coordination_client()
     self._me, self._count = jax.process_index(), jax.process_count()
     self._timeout_s, self._period_s = timeout_s, period_s
     self._stop = threading.Event()
@@ -189,8 +192,8 @@ class Watchdog:
     return f"layup_jax/{kind}/{k}"
 
   def _watch(self) -> None:
-    beat, seen = 0, {}
-    started = time.monotonic()
+    beat = 0
+    seen = {k: (None, time.monotonic()) for k in range(self._count)}  # counter, when it moved
     while not self._stop.wait(self._period_s):
       now = time.monotonic()
       try:
@@ -200,10 +203,9 @@ class Watchdog:
           if k == self._me or self._exists(self._key("done", k)):
             continue
           value = self._value(self._key("alive", k))
-          if value is not None and value != seen.get(k, (None,))[0]:
+          if value is not None and value != seen[k][0]:
             seen[k] = (value, now)
-          last = seen.get(k, (None, started))[1]
-          if now - last > self._timeout_s:
+          if now - seen[k][1] > self._timeout_s:
             self._die(f"process {k} of the run stopped answering for {self._timeout_s:g} s "
                       f"(it died, or lost the coordinator)")
       except Exception as error:  # noqa: BLE001 - the coordination service itself is gone

@@ -44,6 +44,11 @@ def environment(devices_per_process: int) -> dict[str, str]:
           .strip()}
 
 
+def _shell_status(returncode: int) -> int:
+  """A child's exit status as a shell reports it (128 + N for a process killed by signal N)."""
+  return returncode if returncode >= 0 else 128 - returncode
+
+
 def _relay(process: subprocess.Popen, prefix: str) -> None:
   for line in process.stdout:
     sys.stdout.write(prefix + line if prefix else line)
@@ -73,7 +78,7 @@ def run(processes: int, devices_per_process: int, train_args: list[str]) -> int:
     failed = [(k, c.returncode) for k, c in enumerate(children) if c.returncode not in (None, 0)]
     if failed and not status:
       k, code = failed[0]
-      status = code if code > 0 else 128 - code  # the shell's status of a killed process
+      status = _shell_status(code)
       how = (f"was killed by {signal.Signals(-code).name}" if code < 0
              else f"exited with status {code}")
       print(f"launch: process {k} {how}; stopping the others (rerun the same command to resume "
@@ -85,8 +90,7 @@ def run(processes: int, devices_per_process: int, train_args: list[str]) -> int:
   for relay in relays:
     relay.join(timeout=5)
   if not status:
-    status = next((c.returncode if c.returncode > 0 else 128 - c.returncode
-                   for c in children if c.returncode), 0)
+    status = next((_shell_status(c.returncode) for c in children if c.returncode), 0)
   return status
 
 

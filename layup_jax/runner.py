@@ -145,9 +145,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       latencies = [old + new for old, new in zip(latencies or [[] for _ in recent], recent)]
     return measurements.stage_latency_ms(recent)
 
-  def evaluate(step: int, write: bool = True) -> dict[str, Any] | None:
-    if evaluator is None:
-      return None
+  def evaluate(step: int, write: bool = True) -> dict[str, Any]:  # process 0 only
     train_loss = runtime.train_loss()
     sums = runtime.weight_sums()
     common = {"step": step, "time_s": train_time, "weight_sum_min": min(sums),
@@ -197,7 +195,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     except Exception as error:  # noqa: BLE001 - a missing count must not stop training
       logging.warning("no FLOP count for this run (%s: %s); MFU is not reported",
                       type(error).__name__, error)
-    record = evaluate(0) if start_step == 0 else None
+    record = evaluate(0) if start_step == 0 and primary else None
     checkpoint_at = set(_checkpoint_steps(num_steps, config.checkpoint.every)
                         if checkpoints else [])
     evaluate_at = set(eval_steps(num_steps, config.eval_every))

@@ -243,7 +243,7 @@ def ablation_table(runs: list[dict], meta: dict, key: str, label: str) -> list[s
                 and r["variant"] == variant and r["delay"] == 0]
       return statistics.mean(values) if values else None
 
-    scored = [(final(v), v) for v in mine if final(v) is not None]
+    scored = [(score, v) for v in mine if (score := final(v)) is not None]
     best = (max(scored) if higher else min(scored))[1] if len(scored) > 1 else None
     for variant in ["", *mine]:
       group = [r for r in runs if r["algorithm"] == algorithm and r["variant"] == variant

@@ -90,7 +90,7 @@ class DDPRuntime:
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._sharded = NamedSharding(mesh, PartitionSpec("data"))
     # This process feeds its own devices' slices of the global batch (all of them in one process).
-    self._local = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    self._local = distributed.local_positions(devices)
     batches = list(train_batches)  # one iterator per device (none: a runtime that never trains)
     self._train_batches = [batches[i] for i in self._local] if batches else []
     self._example_batch = example_batch
