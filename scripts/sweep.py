@@ -45,7 +45,8 @@ import ml_collections
 from layup_jax import algorithms, provenance, runner
 
 # Each method as the paper's comparisons run it, where it differs from the config: DiLoCo's
-# inner optimizer is AdamW (its paper) and it averages every `tau` steps.
+# inner optimizer is AdamW (its paper) and it averages every `tau` steps. A value the config
+# file's column for the method sets (its `PAPER[algorithm]`, e.g. a searched lr) wins.
 METHOD_SETTINGS = {
     "diloco": {"optimizer.name": "adamw", "optimizer.learning_rate": 3e-3,
                "optimizer.weight_decay": 1e-4},
@@ -69,8 +70,10 @@ def algorithm_config(module, algorithm: str) -> ml_collections.ConfigDict:
   except ValueError:
     config = module.get_config()
   config.algorithm = algorithm
+  column = getattr(module, "PAPER", {}).get(algorithm, {})
   for key, value in METHOD_SETTINGS.get(algorithm, {}).items():
-    set_value(config, key, value)
+    if key not in column:
+      set_value(config, key, value)
   if algorithm == "diloco":
     config.baselines.out_freq = config.baselines.tau
   return config
