@@ -167,6 +167,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.distributed.num_processes = 1
   config.distributed.process_id = -1
   config.distributed.heartbeat_timeout_s = 10  # a silent process is declared dead after this
+  # The address other processes pull gossip sends from (jax.experimental.transfer);
+  # "" = this host's address toward the coordinator.
+  config.distributed.transfer_host = ""
   return config
 
 

@@ -11,7 +11,9 @@ feeds only its own devices (`local_positions`), and only process 0 writes record
 (`is_primary`). Checkpoints are one Orbax checkpoint of the whole run, written by every process
 together into the workdir, which must be on a filesystem every process sees; a stop request
 (SIGTERM, Ctrl-C) takes effect at the next evaluation or checkpoint, where the processes agree
-on it. Across processes run so far: DDP (`MULTI_PROCESS_ALGORITHMS`).
+on it. Across processes run so far: DDP, and LayUp and GoSGD without checkpoints, their
+sends to other processes' devices through layup_jax/crossprocess.py
+(`MULTI_PROCESS_ALGORITHMS`).
 """
 
 import contextlib
@@ -19,6 +21,7 @@ import dataclasses
 import itertools
 import json
 import os
+import pickle
 import sys
 import threading
 import time
@@ -93,7 +96,8 @@ def local_positions(devices) -> list[int]:
 
 
 # What runs across processes so far; the rest is refused in one line before anything is built.
-MULTI_PROCESS_ALGORITHMS = ("ddp",)
+MULTI_PROCESS_ALGORITHMS = ("ddp", "layup", "gosgd")
+GOSSIP_ALGORITHMS = ("layup", "gosgd")  # their sends to other processes: crossprocess.py
 
 
 def check_supported(config: ml_collections.ConfigDict) -> None:
@@ -113,6 +117,14 @@ def check_supported(config: ml_collections.ConfigDict) -> None:
                       f"{list(MULTI_PROCESS_ALGORITHMS)} run so far; run it in one process")
   if config.straggler.device >= 0:
     raise ConfigError("config.straggler.device: no straggler injection across processes yet")
+  if config.algorithm in GOSSIP_ALGORITHMS:
+    if config.layup.push_sum != "per_stage":
+      raise ConfigError("config.layup.push_sum: across processes only per_stage push-sum runs "
+                        "(a per-model weight would have to follow the last stage to the peer)")
+    if config.checkpoint.enabled:
+      raise ConfigError(f"config.checkpoint.enabled: checkpoints of a {config.algorithm} run "
+                        f"across processes are not built yet; set "
+                        f"--config.checkpoint.enabled=False")
 
 
 def put(tree, sharding: jax.sharding.Sharding):
@@ -134,9 +146,10 @@ def put(tree, sharding: jax.sharding.Sharding):
 
 _GATHER_TIMEOUT_MS = 120_000
 _gathers = itertools.count()  # every process gathers in the same order: the n-th call meets
+_pickled_keys: list[str] = []  # this process's keys of its recent `all_gather_pickled` calls
 
 
-def _coordination_client():
+def coordination_client():
   """The coordination service's client of this process (JAX has no public handle to it)."""
   from jax._src import distributed as jax_distributed
 
@@ -149,11 +162,30 @@ def all_gather_json(value) -> list:
   order."""
   if jax.process_count() == 1:
     return [value]
-  client = _coordination_client()
+  client = coordination_client()
   prefix = f"layup_jax/gather/{next(_gathers)}"
   client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(value))
   return [json.loads(client.blocking_key_value_get(f"{prefix}/{k}", _GATHER_TIMEOUT_MS))
           for k in range(jax.process_count())]
+
+
+def all_gather_pickled(value) -> list:
+  """`all_gather_json` for any picklable value (host arrays: a run's replicas at an
+  evaluation), as bytes through the same store; the processes of one run trust each other."""
+  if jax.process_count() == 1:
+    return [value]
+  client = coordination_client()
+  prefix = f"layup_jax/gather/{next(_gathers)}"
+  mine = f"{prefix}/{jax.process_index()}"
+  client.key_value_set_bytes(mine, pickle.dumps(value))
+  parts = [pickle.loads(client.blocking_key_value_get_bytes(f"{prefix}/{k}", _GATHER_TIMEOUT_MS))
+           for k in range(jax.process_count())]
+  # Our key of two gathers ago has been read by all: each process wrote its key of the last
+  # gather only after reading every key of the one before, and we have read those.
+  _pickled_keys.append(mine)
+  if len(_pickled_keys) > 2:
+    client.key_value_delete(_pickled_keys.pop(0))
+  return parts
 
 
 def data_states(iterators, devices) -> list:
@@ -181,7 +213,7 @@ class Watchdog:
   EXIT_STATUS = 4
 
   def __init__(self, timeout_s: float, period_s: float = 1.0):
-    self._client = _coordination_client()
+    self._client = coordination_client()
     self._me, self._count = jax.process_index(), jax.process_count()
     self._timeout_s, self._period_s = timeout_s, period_s
     self._stop = threading.Event()

@@ -29,11 +29,17 @@ PyTree = Any
 
 class PeerSampler:
   """Each device's peers: uniformly random among the other devices, from the device's own
-  seeded RNG (the paper's randomized gossip), unless a test scripted the next one."""
+  seeded RNG (the paper's randomized gossip), unless a test scripted the next one.
 
-  def __init__(self, num_devices: int, seed: int, gossip: bool = True):
-    self.num_devices, self.gossip = num_devices, gossip
-    self._rngs = [np.random.default_rng([seed, 1, i]) for i in range(num_devices)]
+  In a run across processes a process samples for its own devices, `first .. first + count -
+  1` of the run's `num_devices`: `pick(i)` takes the position i among them and returns a
+  peer's position in the whole run (in one process the two are the same)."""
+
+  def __init__(self, num_devices: int, seed: int, gossip: bool = True, first: int = 0,
+               count: int | None = None):
+    self.num_devices, self.gossip, self.first = num_devices, gossip, first
+    count = num_devices if count is None else count
+    self._rngs = [np.random.default_rng([seed, 1, first + i]) for i in range(count)]
     self._scripted: dict[int, int | None] = {}
 
   def pick(self, i: int) -> int | None:
@@ -42,8 +48,9 @@ class PeerSampler:
       return self._scripted.pop(i)
     if self.num_devices == 1 or not self.gossip:
       return None
+    me = self.first + i
     j = int(self._rngs[i].integers(self.num_devices - 1))
-    return j if j < i else j + 1
+    return j if j < me else j + 1
 
   def choose(self, i: int, candidates: list[int]) -> int:
     """One of `candidates`, uniformly, from device i's RNG."""

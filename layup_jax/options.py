@@ -17,6 +17,7 @@ CONFIG_KEYS = {
     "remat": "layup.remat", "nonfinite": "faults.nonfinite",
     "latency_every": "metrics.latency_every", "straggler_device": "straggler.device",
     "straggler_delay_iters": "straggler.delay_iters", "straggler_mode": "straggler.mode",
+    "transfer_host": "distributed.transfer_host",
 }
 
 
@@ -39,6 +40,7 @@ class RuntimeOptions:
   straggler_device: int = -1
   straggler_delay_iters: float = 0.0
   straggler_mode: str = "host"
+  transfer_host: str = ""
 
   def __post_init__(self):
     for name, choices in (("bn_policy", BN_POLICIES), ("push_sum", PUSH_SUM),

@@ -62,9 +62,13 @@ class Outbox:
   """Device `sender`'s sends not yet made, and its merges not yet landed on peers."""
 
   def __init__(self, store: ReplicaStore, sender: int, choose: Any = None,
-               max_in_flight: int = 0):
-    """`choose(sender, candidates)` picks a peer among candidates (rerouted sends)."""
+               max_in_flight: int = 0, first: int = 0, remote: Any = None,
+               stopped: Any = lambda: False):
+    """`choose(sender, candidates)` picks a peer among candidates (rerouted sends). Peers are
+    positions in the run; the store's devices are its `first ..` ones, and a send to any other
+    goes to its process through `remote` (layup_jax/crossprocess.py)."""
     self._store, self._sender, self._choose = store, sender, choose
+    self._first, self._remote, self._stopped = first, remote, stopped
     self.reroute_congested = False
     # Posted sends: (peer, stage, part, amount, whether the merge adds it, future or None).
     self._pending: collections.deque = collections.deque()
@@ -93,6 +97,12 @@ class Outbox:
   def _send(self, peer: int, s: int, part: PyTree, amount: float, add_weight: bool,
             watched: Future | None) -> None:
     jax.block_until_ready(part)  # computed on our device: the peer never waits on our work
+    if self._remote is not None and self._remote.is_remote(peer):
+      landing = self._remote.send(peer, s, part, amount, self._stopped)
+      if watched is not None:
+        watched.set_result(landing)
+      return
+    peer -= self._first  # the store's index
     if self.reroute_congested and add_weight:
       peer = self._uncongested(peer)
     while self._in_flight and self._in_flight[0].is_ready():

@@ -68,8 +68,11 @@ class PushSumWeights:
   holds the lock of stage s of device i, in the same atomic write as the stage it weighs.
   """
 
-  def __init__(self, num_devices: int, num_stages: int):
-    self.values = [[1.0 / num_devices] * num_stages for _ in range(num_devices)]
+  def __init__(self, num_devices: int, num_stages: int, total_devices: int | None = None):
+    """`total_devices`: the run's device count where these are some of them (one process of
+    several), so that the sum over the whole run is 1."""
+    share = 1.0 / (total_devices or num_devices)
+    self.values = [[share] * num_stages for _ in range(num_devices)]
 
   def halve(self, sender: int, s: int) -> float:
     """`w_{i,s} <- w_{i,s} / 2`; returns the halved amount, which travels with the stage."""

@@ -99,7 +99,10 @@ class ReplicaStore:
   def __init__(self, model: StagedModel, tx: optax.GradientTransformation,
                devices: Sequence[jax.Device], init_params: list[PyTree],
                init_state: list[PyTree], options: RuntimeOptions,
-               lock: Callable[[], contextlib.AbstractContextManager]):
+               lock: Callable[[], contextlib.AbstractContextManager], first: int = 0,
+               total_devices: int | None = None):
+    """`devices` are the run's devices `first ..` (all of them in one process); replica i
+    draws its randomness as device `first + i` of `total_devices`."""
     self.num_devices, self.num_stages = len(devices), model.num_stages
     self.bn_policy = options.bn_policy
     # A stage without BatchNorm state keeps its empty dict: its forward writes nothing.
@@ -137,12 +140,13 @@ class ReplicaStore:
             state=list(jax.device_put(init_state, device)),
             opt_state=list(jax.device_put([tx.init(p) for p in init_params], device)),
             stage_keys=jax.device_put(
-                [stage_key(jax.random.fold_in(base_key, i), s) for s in range(self.num_stages)],
+                [stage_key(jax.random.fold_in(base_key, first + i), s)
+                 for s in range(self.num_stages)],
                 device),
         )
         for i, device in enumerate(devices)
     ]
-    self.weights = pushsum.PushSumWeights(self.num_devices, self.num_stages)
+    self.weights = pushsum.PushSumWeights(self.num_devices, self.num_stages, total_devices)
     self._locks = [[lock() for _ in range(self.num_stages)] for _ in devices]
     self._state_locks = [[lock() for _ in range(self.num_stages)] for _ in devices]
     # Merges dispatched into each device and not yet seen computed (`pending_merges`): their
@@ -161,6 +165,10 @@ class ReplicaStore:
 
   def params(self, i: int, s: int) -> PyTree:
     return self.replicas[i].params[s]
+
+  def part_template(self, s: int) -> PyTree:
+    """Shapes and dtypes of what a send of stage s carries (`take`'s part)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._mixed_part(0, s))
 
   def _mixed_part(self, i: int, s: int) -> PyTree:
     """What a merge of stage s mixes: its params, and its BatchNorm statistics under "mix"."""

@@ -130,7 +130,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
   flops_per_iteration, peak = None, flops.peak_flops(devices[0])
 
   def samples_per_s() -> float:
-    return runtime.iterations_done() * config.data.batch_size / max(train_time, 1e-9)
+    return sum(runtime.iterations_per_device()) * config.data.batch_size / max(train_time, 1e-9)
 
   def throughput() -> dict[str, Any]:
     return measurements.throughput(runtime.iterations_per_device(), config.data.batch_size,
@@ -195,6 +195,11 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     except Exception as error:  # noqa: BLE001 - a missing count must not stop training
       logging.warning("no FLOP count for this run (%s: %s); MFU is not reported",
                       type(error).__name__, error)
+    # The iterations of one step that this process's runtime counts: its own devices' (a
+    # gossip runtime across processes), else every device's.
+    per_step = runtime.num_devices
+    if start_step == 0:
+      runtime.collect()
     record = evaluate(0) if start_step == 0 and primary else None
     checkpoint_at = set(_checkpoint_steps(num_steps, config.checkpoint.every)
                         if checkpoints else [])
@@ -216,12 +221,14 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
           stopped = True
           break
         start = time.perf_counter()
-        runtime.run_until(target * num_devices, _Progress(bar, num_devices), stop_within)
+        runtime.run_until(target * per_step, _Progress(bar, per_step), stop_within)
         train_time += time.perf_counter() - start
-        step = runtime.iterations_done() // num_devices
+        step = runtime.iterations_done() // per_step
         if step < target:
           stopped = True
           break
+        if target in evaluate_at:
+          runtime.collect()
         if target in evaluate_at and primary:
           record = evaluate(step)
           bar.set_postfix(acc=f"{record['accuracy']:.3f}", loss=f"{record['loss']:.3f}")
@@ -237,8 +244,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       return {"stopped": True, "primary": primary, "step": step, "num_steps": num_steps,
               "checkpoint": str(checkpoints.directory / str(step))
               if checkpoints is not None and step in checkpoints.steps() else None}
-    if record is None and primary:  # resumed from the final checkpoint: evaluate, write nothing
-      record = evaluate(num_steps, write=False)
+    if 0 < num_steps <= start_step:  # resumed from the final checkpoint: evaluate, write nothing
+      runtime.collect()
+      if primary:
+        record = evaluate(num_steps, write=False)
     if checkpoints is not None:
       checkpoints.wait()
   finally:

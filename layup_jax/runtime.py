@@ -44,7 +44,7 @@ import jax
 import numpy as np
 import optax
 
-from layup_jax import flops, outbox, transfer
+from layup_jax import crossprocess, distributed, flops, outbox, transfer
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import ConfigError, NonFiniteError
 from layup_jax.exchange import Exchange, Links, PeerSampler
@@ -229,16 +229,36 @@ class AsyncRuntime:
       options: RuntimeOptions,
   ):
     self.options = options
+    # Across processes, this process runs its own devices only (global positions first ..
+    # first + num_devices - 1 of the run's `total_devices`); every index below is a position
+    # among them, except peers, which are global.
+    positions = distributed.local_positions(devices)
+    if positions != list(range(positions[0], positions[0] + len(positions))):
+      raise ConfigError(f"this process's devices are not consecutive in the run: {positions}")
+    self.first, self.total_devices = positions[0], len(devices)
+    devices = [devices[p] for p in positions]
+    train_batches = [list(train_batches)[p] for p in positions]
     self.num_devices, self.num_stages = len(devices), model.num_stages
     self._model = model
-    self._train_batches = list(train_batches)
+    self._train_batches = train_batches
     self._example_batch = example_batch
     self.store = ReplicaStore(model, tx, devices, init_params, init_state, options,
-                              lock=threading.Lock)
-    self.peers = PeerSampler(self.num_devices, options.seed, options.gossip)
-    self.outboxes = [Outbox(self.store, i, self.peers.choose, options.max_sends_in_flight)
-                     for i in range(self.num_devices)]
+                              lock=threading.Lock, first=self.first,
+                              total_devices=self.total_devices)
+    self.peers = PeerSampler(self.total_devices, options.seed, options.gossip, self.first,
+                             self.num_devices)
     self._stop = threading.Event()
+    self._remote = None  # sends to and from other processes' devices
+    if self.num_devices < self.total_devices:
+      self._remote = crossprocess.RemotePeers(
+          [d.process_index for d in jax.devices()[:self.total_devices]], self.first,
+          self.num_devices, self.store.part_template, self.store.device,
+          lambda j, s, received, amount: self.store.merge(j, s, received, amount, True),
+          host=options.transfer_host)
+    self.outboxes = [Outbox(self.store, i, self.peers.choose, options.max_sends_in_flight,
+                            first=self.first, remote=self._remote, stopped=self._stop.is_set)
+                     for i in range(self.num_devices)]
+    self._collected: dict[str, Any] | None = None  # every process's part (`collect`)
     self.exchange = make_exchange(Links(self.store, self.outboxes, self.peers, options,
                                         self._stop.is_set))
     self._fused = self.exchange.fuses_local_step and options.fuse_local_step
@@ -496,13 +516,16 @@ class AsyncRuntime:
     loops = [("compute", self._compute_loop), ("updater", self._updater_loop)]
     if self.options.latency_every:
       loops.append(("latency", self._latency_loop))
-    for role, loop in loops:
-      for i in range(self.num_devices):
-        thread = threading.Thread(
-            target=self._run_guarded, args=(role, i, loop), name=f"layup-{role}-{i}", daemon=True
-        )
-        self._threads.append(thread)
-        thread.start()
+    threads = [(role, loop, i) for role, loop in loops for i in range(self.num_devices)]
+    if self._remote is not None:  # one receiver per other process, named by that process
+      receive = lambda k: self._remote.receive(k, self._stop.is_set)
+      threads += [("receiver", receive, k) for k in self._remote.other_processes()]
+    for role, loop, i in threads:
+      thread = threading.Thread(
+          target=self._run_guarded, args=(role, i, loop), name=f"layup-{role}-{i}", daemon=True
+      )
+      self._threads.append(thread)
+      thread.start()
 
   def _raise_if_failed(self) -> None:
     failures = [f for f in self._failures if not isinstance(f[3], _Stopped)]
@@ -535,6 +558,12 @@ class AsyncRuntime:
     self._raise_if_failed()
     for i in range(self.num_devices):  # every thread is idle: read the last flags
       self._check_finite(i)
+    if self._remote is not None:
+      # Every process idle and every send to another process merged there: then nothing is
+      # in flight anywhere, and the push-sum sums are exact again.
+      self._remote.quiesce(self._stop.is_set)
+      distributed.all_gather_json(None)
+      self._raise_if_failed()
     self._landings_recorded()
     self.store.settle()
     on_progress(self._budget.finished)
@@ -542,38 +571,85 @@ class AsyncRuntime:
   def iterations_done(self) -> int:
     return self._budget.finished
 
+  def remote_sends(self) -> int:
+    """Sends this process made to other processes' devices (0 in one process)."""
+    return self._remote.sends() if self._remote is not None else 0
+
   def stage_params(self, i: int) -> list[PyTree]:
     return self.store.stage_params(i)
 
   def stage_state(self, i: int) -> list[PyTree]:
     return self.store.stage_state(i)
 
+  def collect(self) -> None:
+    """Across processes, brings every process's replicas, weights, losses and counts to every
+    process, for the accessors below (a collective: every process calls it at the same
+    consistent point); in one process, nothing."""
+    if self._remote is None:
+      return
+    snapshot = self.store.snapshot()
+    mine = {"snapshot": {"params": crossprocess.host_tree(snapshot.params),
+                         "state": crossprocess.host_tree(snapshot.state),
+                         "weights": snapshot.weights, "state_weights": snapshot.state_weights},
+            "losses": self._drain_losses(), "latencies": self._drain_latencies(),
+            "iterations": [r.iteration for r in self.store.replicas],
+            "skipped": [c.skipped for c in self._checks]}
+    parts = distributed.all_gather_pickled(mine)
+    joined = lambda key: [x for part in parts for x in part[key]]
+    snapshots = [part["snapshot"] for part in parts]
+    fields = ("params", "state", "weights", "state_weights")
+    self._collected = {
+        "snapshot": Snapshot(**{f: [x for sn in snapshots for x in sn[f]] for f in fields}),
+        "losses": joined("losses"), "iterations": joined("iterations"),
+        "skipped": joined("skipped"),
+        "latencies": [[x for part in parts for x in part["latencies"][s]]
+                      for s in range(self.num_stages)],
+    }
+
   def snapshot(self) -> Snapshot:
+    if self._collected is not None:
+      return self._collected["snapshot"]
     return self.store.snapshot()
 
-  def train_loss(self) -> float:
+  def _drain_losses(self) -> list[float]:
     losses = [loss for per_device in self._losses for loss in per_device]
     for per_device in self._losses:
       per_device.clear()
-    return mean_or_nan(losses)
+    return losses
+
+  def train_loss(self) -> float:
+    if self._collected is not None:
+      return mean_or_nan(self._collected.pop("losses", []))
+    return mean_or_nan(self._drain_losses())
 
   def weight_sums(self) -> list[float]:
+    if self._collected is not None:
+      return [float(sum(column)) for column in zip(*self._collected["snapshot"].weights)]
     return self.store.weights.sums()
 
   def skipped_steps(self) -> int:
+    if self._collected is not None:
+      return sum(self._collected["skipped"])
     return sum(c.skipped for c in self._checks)
 
   def iterations_per_device(self) -> list[int]:
+    if self._collected is not None:
+      return list(self._collected["iterations"])
     return [r.iteration for r in self.store.replicas]
 
-  def stage_latencies(self) -> list[list[float]]:
-    """Update latency samples (seconds) of each stage since the previous call, all devices."""
+  def _drain_latencies(self) -> list[list[float]]:
     per_stage: list[list[float]] = [[] for _ in range(self.num_stages)]
     for samples in self._latencies:
       while samples:
         s, seconds = samples.popleft()
         per_stage[s].append(seconds)
     return per_stage
+
+  def stage_latencies(self) -> list[list[float]]:
+    """Update latency samples (seconds) of each stage since the previous call, all devices."""
+    if self._collected is not None:
+      return self._collected.pop("latencies", [[] for _ in range(self.num_stages)])
+    return self._drain_latencies()
 
   def _iteration_arguments(self) -> tuple:
     """What `flops.staged_calls` needs to replay one iteration of device 0 (its state is not

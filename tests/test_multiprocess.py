@@ -12,7 +12,7 @@ import time
 import pytest
 
 from configs import base
-from layup_jax import distributed, runner
+from layup_jax import crossprocess, distributed, runner
 from layup_jax.errors import ConfigError
 from layup_jax.launch import commands, environment, free_port
 from layup_jax.metrics import read_metrics
@@ -139,6 +139,45 @@ def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_pa
           "coordinator); process 0 stops.") in output
 
 
+def test_layup_across_two_processes_trains_the_digits(tmp_path):
+  """LayUp on 2 processes x 4 devices, its sends to the other process's devices through the
+  transfer server: the push-sum average reaches 0.95 on the digits, the weights summing to 1."""
+  work = tmp_path / "run"
+  settings = {"algorithm": "layup", "num_steps": 200, "eval_every": 0,
+              "checkpoint.enabled": False, "progress_bar": False}
+  done = subprocess.run(_launcher(work, settings), cwd=ROOT, capture_output=True, text=True,
+                        timeout=600, check=False)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  summary = json.loads((work / "summary.json").read_text())
+  assert summary["num_devices"] == 8 and summary["final_eval_accuracy"] >= 0.95
+  assert summary["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
+  assert summary["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
+  assert len(summary["device_samples_per_s"]) == 8 and min(summary["device_samples_per_s"]) > 0
+
+
+@pytest.mark.parametrize("algorithm", ["layup", "gosgd"])
+def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm):
+  """Learning rate 0, every replica its own parameters, 2 processes x 4 devices with their
+  threads: gossip (a good share of it between the processes) moves the replicas toward their
+  average and must not move the average itself (tests/multiprocess_pushsum.py)."""
+  port, script = free_port(), ROOT / "tests" / "multiprocess_pushsum.py"
+  processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), algorithm,
+                                 "100"], cwd=ROOT, env=environment(4), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for k in range(2)]
+  try:
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+  finally:
+    for process in processes:
+      process.kill()
+  assert [process.returncode for process in processes] == [0, 0], outputs[0][-3000:]
+  result = json.loads([line for line in outputs[0].splitlines() if line.startswith("{")][-1])
+  assert result["relative_change"] < 1e-5
+  assert result["weight_sums"] == pytest.approx([1.0] * 3, abs=1e-12)
+  assert result["spread_after"] < 1e-2 * result["spread"]
+  assert sum(result["iterations"]) == 800 and min(result["iterations"]) > 0
+  assert result["sends_between_processes"] > 100
+
+
 def test_the_launcher_gives_each_process_its_place_and_its_devices():
   first, second = commands(2, 12355, ["--config", "configs/digits.py"])
   assert first[-3:] == ["--config.distributed.coordinator_address=127.0.0.1:12355",
@@ -174,3 +213,9 @@ def test_distributed_keys_without_a_distributed_process_are_refused(tiny_config,
 def test_no_coordinator_is_a_single_process_run():
   assert distributed.settings(base.get_config().distributed) is None
   assert distributed.initialize(base.get_config().distributed) is False
+
+
+def test_a_transfer_server_that_cannot_start_is_one_line():
+  with pytest.raises(ConfigError, match=r"did not start on 10\.255\.255\.1 .*Cannot assign "
+                                        r"requested address.*config.distributed.transfer_host"):
+    crossprocess.start_server("10.255.255.1", 1)

@@ -34,7 +34,14 @@ class Runtime(Protocol):
     iteration count is a whole number of steps (a multiple of the number of devices).
     """
 
+  num_devices: int  # the devices whose iterations `run_until` and `iterations_done` count
+
   def iterations_done(self) -> int: ...
+
+  def collect(self) -> None:
+    """Makes the accessors below (snapshot, losses, weights, counts) cover the whole run where
+    this process holds part of it (a collective: every process calls it at the same
+    consistent point); else nothing."""
 
   def snapshot(self) -> Snapshot: ...
 

@@ -175,6 +175,9 @@ class DDPRuntime:
   def iterations_done(self) -> int:
     return self._steps_done * self.num_devices
 
+  def collect(self) -> None:
+    """Nothing: every process reads the one replicated model."""
+
   def snapshot(self) -> Snapshot:
     ones = [[1.0] * len(self.params)]
     # This process's copy of the replicated model (in a multi-process run the global arrays

@@ -1,0 +1,205 @@
+"""Gossip with devices of other processes: the arrays through `jax.experimental.transfer`, the
+notices and acknowledgements through the coordination service's key-value store.
+
+A send to a device of another process (an outbox's send, layup_jax/outbox.py) offers the
+computed stage to this process's transfer server under a fresh uuid (`await_pull`) and then
+writes a notice `(uuid, peer, stage, push-sum amount)` under `layup_jax/gossip/<to>/<from>/<n>`,
+n counting the notices from this process to that one. The peer's process has one receiver
+thread per other process (started by the runtime): it waits for notice n, pulls the arrays onto
+the peer's device, merges them into the replica with the same atomic write as a local send
+(`ReplicaStore.merge`: the push-sum amount added to w_{j,s} with the stage), deletes the notice
+and acknowledges with `layup_jax/gossip-ack/<from>/<to> = n`. Only announced uuids are pulled:
+a pull of a uuid never offered waits forever (docs/multihost_probes.md).
+
+The sender never waits for the receiver's device: the offer is of a stage already computed, and
+the notice is a few bytes. It waits only when `max_in_flight` notices to one process are not
+acknowledged yet (what the transfer server holds for pulls stays bounded), and in `quiesce`,
+where the runtime's threads are idle: every notice acknowledged means every share in flight has
+been added on its peer, so the per-stage push-sum sum over all processes is exact again there.
+"""
+
+import itertools
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from layup_jax import distributed
+from layup_jax.errors import ConfigError
+
+PyTree = Any
+_NOTICE_WAIT_MS = 200  # a receiver looks at the stop flag this often while no notice comes
+_ACK_POLL_S = 0.001
+
+
+def own_address_toward(host: str) -> str:
+  """The address of this host on the route to `host` (no packet is sent): the one the other
+  processes reach it at, where a hostname may resolve to loopback."""
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+    probe.connect((host, 9))
+    return probe.getsockname()[0]
+
+
+def transfer_host(configured: str) -> str:
+  """`configured`, else this host's address toward the coordinator."""
+  if configured:
+    return configured
+  from jax._src import distributed as jax_distributed
+
+  coordinator = jax_distributed.global_state.coordinator_address or "127.0.0.1:0"
+  return own_address_toward(coordinator.rsplit(":", 1)[0].strip("[]"))
+
+
+def start_server(host: str, num_local_devices: int):
+  """This process's transfer server on `host`; one clear line when it cannot start."""
+  from jax.experimental import transfer
+
+  client = jax.local_devices()[0].client
+  try:
+    return transfer.start_transfer_server(client, f"{host}:0",
+                                          [f"{host}:0"] * max(1, num_local_devices))
+  except Exception as error:  # any failure: one line before training
+    raise ConfigError(
+        f"the transfer server for gossip between processes did not start on {host} "
+        f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}); set "
+        f"config.distributed.transfer_host to an address of this host that the other "
+        f"processes reach") from error
+
+
+class RemoteLanding:
+  """A send to another process, landed once its notice is acknowledged (the merge is then
+  dispatched on the peer): what the update-latency watcher waits for."""
+
+  def __init__(self, peers: "RemotePeers", process: int, notice: int):
+    self._peers, self._process, self._notice = peers, process, notice
+
+  def block_until_ready(self) -> "RemoteLanding":
+    while self._peers.acknowledged(self._process) < self._notice:
+      time.sleep(_ACK_POLL_S)
+    return self
+
+
+class RemotePeers:
+  """This process's sends to, and receipts from, the devices of the other processes."""
+
+  def __init__(self, process_of: list[int], first: int, count: int,
+               part_template: Callable[[int], PyTree], device_of: Callable[[int], jax.Device],
+               merge: Callable[[int, int, PyTree, float], None], host: str = "",
+               max_in_flight: int = 64):
+    """`process_of[g]`: the process of global device g; this process drives devices
+    `first .. first + count - 1` (store indices 0 .. count - 1). `part_template(s)`: the
+    pytree of ShapeDtypeStructs of what a send of stage s carries; `merge(j, s, received,
+    amount)`: the store's merge into local device j."""
+    self._client = distributed.coordination_client()
+    self._me, self._process_of = jax.process_index(), list(process_of)
+    self._first, self._count = first, count
+    self._template, self._device_of, self._merge = part_template, device_of, merge
+    self.max_in_flight = max_in_flight
+    self._server = start_server(transfer_host(host), count)
+    addresses = distributed.all_gather_json(self._server.address())
+    self._addresses = dict(enumerate(addresses))
+    self._connections: dict[int, Any] = {}
+    self._uuids = itertools.count(1)
+    self._lock = threading.Lock()  # notice counters and acknowledgements, shared by senders
+    self._sent = {k: 0 for k in self.other_processes()}
+    self._acked = {k: 0 for k in self.other_processes()}
+
+  def other_processes(self) -> list[int]:
+    return sorted({p for p in self._process_of if p != self._me})
+
+  def is_remote(self, device: int) -> bool:
+    return not self._first <= device < self._first + self._count
+
+  # --- sending --------------------------------------------------------------------------------
+
+  def send(self, peer: int, s: int, part: PyTree, amount: float,
+           stopped: Callable[[], bool]) -> RemoteLanding:
+    """Offers `part` (computed) for `peer`'s process to pull and merge into stage s with the
+    push-sum `amount`; returns the send's landing."""
+    process = self._process_of[peer]
+    uuid = (self._me << 48) | next(self._uuids)
+    with self._lock:
+      self._sent[process] += 1
+      notice = self._sent[process]
+    while notice - self.acknowledged(process) > self.max_in_flight:
+      if stopped():
+        break
+      time.sleep(_ACK_POLL_S)
+    self._server.await_pull(uuid, jax.tree.leaves(part))
+    self._client.key_value_set(
+        self._notice_key(process, self._me, notice),
+        json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount}))
+    return RemoteLanding(self, process, notice)
+
+  def sends(self) -> int:
+    """How many sends this process has made to other processes' devices."""
+    with self._lock:
+      return sum(self._sent.values())
+
+  def acknowledged(self, process: int) -> int:
+    """How many of this process's notices to `process` it has merged (read from the store)."""
+    value = self._try_get(f"layup_jax/gossip-ack/{self._me}/{process}")
+    with self._lock:
+      if value is not None:
+        self._acked[process] = max(self._acked[process], int(value))
+      return self._acked[process]
+
+  def quiesce(self, stopped: Callable[[], bool]) -> None:
+    """Waits until every notice sent so far is acknowledged (at a consistent point)."""
+    for process in self.other_processes():
+      while self.acknowledged(process) < self._sent[process] and not stopped():
+        time.sleep(_ACK_POLL_S)
+
+  # --- receiving ------------------------------------------------------------------------------
+
+  def receive(self, source: int, stopped: Callable[[], bool]) -> None:
+    """The receiver loop for notices from process `source` (a runtime thread), until
+    `stopped()`."""
+    received = 0
+    while not stopped():
+      key = self._notice_key(self._me, source, received + 1)
+      try:
+        notice = json.loads(self._client.blocking_key_value_get(key, _NOTICE_WAIT_MS))
+      except Exception as error:  # DEADLINE_EXCEEDED: nothing yet
+        if "DEADLINE_EXCEEDED" in str(error):
+          continue
+        raise
+      j, s = notice["peer"] - self._first, notice["stage"]
+      template = self._template(s)
+      sharding = jax.sharding.SingleDeviceSharding(self._device_of(j))
+      specs = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sharding)
+               for t in jax.tree.leaves(template)]
+      leaves = self._connection(source).pull(notice["uuid"], specs)
+      self._merge(j, s, jax.tree.unflatten(jax.tree.structure(template), leaves),
+                  float(notice["amount"]))
+      received += 1
+      self._client.key_value_delete(key)
+      self._client.key_value_set(f"layup_jax/gossip-ack/{source}/{self._me}", str(received),
+                                 allow_overwrite=True)
+
+  def _connection(self, process: int):
+    if process not in self._connections:
+      self._connections[process] = self._server.connect(self._addresses[process])
+    return self._connections[process]
+
+  @staticmethod
+  def _notice_key(to: int, source: int, n: int) -> str:
+    return f"layup_jax/gossip/{to}/{source}/{n}"
+
+  def _try_get(self, key: str) -> str | None:
+    try:
+      return self._client.key_value_try_get(key)
+    except Exception as error:  # NOT_FOUND: not written yet
+      if "NOT_FOUND" in str(error):
+        return None
+      raise
+
+
+def host_tree(tree: PyTree) -> PyTree:
+  """NumPy copies of a tree's arrays (to gather across processes)."""
+  return jax.tree.map(np.asarray, jax.device_get(tree))

@@ -1,0 +1,71 @@
+"""One process of the cross-process push-sum check (tests/test_multiprocess.py runs two).
+
+    python tests/multiprocess_pushsum.py PORT NUM_PROCESSES PROCESS_ID ALGORITHM ITERATIONS
+
+The threaded runtime on this process's devices of an 8-device run, learning rate 0, every
+replica given its own parameters (drawn from its global position): only gossip moves them, and
+push-sum must keep each stage's weighted average over all processes. Process 0 prints one JSON
+line: the average's relative change, the weight sums, the disagreement before and after, the
+iterations per device, and the sends that crossed processes.
+"""
+
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+  port, processes, process_id, algorithm, iterations = sys.argv[1:]
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                             num_processes=int(processes), process_id=int(process_id))
+  import optax
+
+  from layup_jax import pushsum
+  from layup_jax.algorithms.gossip import EXCHANGES
+  from layup_jax.algorithms.layup import LayUp
+  from tests.helpers import make_layup_runtime
+
+  runtime = make_layup_runtime(8, learning_rate=0.0,
+                               exchange={"layup": LayUp, **EXCHANGES}[algorithm])
+  arrays, meta = runtime.state_dict()
+  for i, replica in enumerate(arrays["replicas"]):  # i: this process's; rng: the run's position
+    rng = np.random.default_rng(100 + runtime.first + i)
+    replica["params"] = [jax.tree.map(lambda p, rng=rng: np.asarray(p) + 0.5 * rng.normal(
+        size=p.shape).astype(np.float32), stage) for stage in replica["params"]]
+  runtime.load_state_dict(arrays, meta)
+
+  def average_and_spread():
+    runtime.collect()
+    snapshot = runtime.snapshot()
+    center = pushsum.consensus(snapshot.params, np.asarray(snapshot.weights))
+    return center, float(pushsum.consensus_distance(snapshot.params, center))
+
+  start, spread = average_and_spread()
+  runtime.compile()
+  runtime.run_until(runtime.num_devices * int(iterations), lambda _: None)
+  center, spread_after = average_and_spread()
+  sums = runtime.weight_sums()
+  per_device = runtime.iterations_per_device()
+  crossed = sum(jax.tree.leaves(distributed_sends(runtime)))
+  runtime.close()
+  if jax.process_index() == 0:
+    change = float(optax.tree.norm(optax.tree.sub(center, start)) / optax.tree.norm(start))
+    print(json.dumps({"relative_change": change, "weight_sums": sums, "spread": spread,
+                      "spread_after": spread_after, "iterations": per_device,
+                      "sends_between_processes": crossed}), flush=True)
+
+
+def distributed_sends(runtime) -> list[int]:
+  """Every process's count of sends to other processes."""
+  from layup_jax import distributed
+
+  return distributed.all_gather_json(runtime.remote_sends())
+
+
+if __name__ == "__main__":
+  main()
