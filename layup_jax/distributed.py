@@ -11,9 +11,9 @@ feeds only its own devices (`local_positions`), and only process 0 writes record
 (`is_primary`). Checkpoints are one Orbax checkpoint of the whole run, written by every process
 together into the workdir, which must be on a filesystem every process sees; a stop request
 (SIGTERM, Ctrl-C) takes effect at the next evaluation or checkpoint, where the processes agree
-on it. Across processes run so far: DDP, and LayUp and GoSGD without checkpoints, their
-sends to other processes' devices through layup_jax/crossprocess.py
-(`MULTI_PROCESS_ALGORITHMS`).
+on it. Across processes run so far: DDP, LayUp and GoSGD (their sends to other processes'
+devices through layup_jax/crossprocess.py; process 0 writes their checkpoints with every
+process's replicas, layup_jax/runtime.py) (`MULTI_PROCESS_ALGORITHMS`).
 """
 
 import contextlib
@@ -117,14 +117,9 @@ def check_supported(config: ml_collections.ConfigDict) -> None:
                       f"{list(MULTI_PROCESS_ALGORITHMS)} run so far; run it in one process")
   if config.straggler.device >= 0:
     raise ConfigError("config.straggler.device: no straggler injection across processes yet")
-  if config.algorithm in GOSSIP_ALGORITHMS:
-    if config.layup.push_sum != "per_stage":
-      raise ConfigError("config.layup.push_sum: across processes only per_stage push-sum runs "
-                        "(a per-model weight would have to follow the last stage to the peer)")
-    if config.checkpoint.enabled:
-      raise ConfigError(f"config.checkpoint.enabled: checkpoints of a {config.algorithm} run "
-                        f"across processes are not built yet; set "
-                        f"--config.checkpoint.enabled=False")
+  if config.algorithm in GOSSIP_ALGORITHMS and config.layup.push_sum != "per_stage":
+    raise ConfigError("config.layup.push_sum: across processes only per_stage push-sum runs "
+                      "(a per-model weight would have to follow the last stage to the peer)")
 
 
 def put(tree, sharding: jax.sharding.Sharding):

@@ -694,7 +694,42 @@ class AsyncRuntime:
         "skipped": [c.skipped for c in self._checks],
         "exchange": exchange_meta,
     }
+    if self._remote is not None:
+      return self._whole_run_state(arrays, meta)
     return arrays, meta
+
+  # Per-device entries of the checkpoint metadata (each process holds its devices' part).
+  _PER_DEVICE_META = ("iterations", "weights", "peer_rngs", "clocks", "losses", "skipped")
+
+  def _whole_run_state(self, arrays: PyTree, meta: dict[str, Any]) -> tuple[PyTree, dict]:
+    """Across processes: every process's replicas (host copies) and metadata in one state,
+    the same on every process, which process 0 writes as one checkpoint (a collective, at a
+    consistent point). Host copies, not global arrays: Orbax writes a host array once, from
+    process 0, as it writes DDP's replicated one."""
+    if arrays.keys() != {"replicas", "stage_keys"}:
+      raise ConfigError("this algorithm's own state cannot be checkpointed across processes")
+    parts = distributed.all_gather_pickled({"arrays": crossprocess.host_tree(arrays),
+                                            "meta": meta})
+    whole = {key: [x for part in parts for x in part["arrays"][key]] for key in arrays}
+    whole_meta = {**meta, "num_devices": self.total_devices,
+                  "iterations_done": sum(part["meta"]["iterations_done"] for part in parts)}
+    for key in self._PER_DEVICE_META:
+      whole_meta[key] = [x for part in parts for x in part["meta"][key]]
+    return whole, whole_meta
+
+  def _own_part(self, arrays: PyTree, meta: dict[str, Any]) -> tuple[PyTree, dict]:
+    """This process's devices' part of a whole-run checkpoint (`_whole_run_state`)."""
+    if meta["num_devices"] != self.total_devices:
+      raise ConfigError(f"this checkpoint holds {meta['num_devices']} devices' replicas; across "
+                        f"processes a run resumes on as many ({self.total_devices} here)")
+    own = slice(self.first, self.first + self.num_devices)
+    part = {key: arrays[key][own] for key in ("replicas", "stage_keys")}
+    part_meta = {**meta, "num_devices": self.num_devices,
+                 "iterations_done": meta["iterations_done"] // self.total_devices
+                 * self.num_devices}
+    for key in self._PER_DEVICE_META:
+      part_meta[key] = meta[key][own]
+    return part, part_meta
 
   def _check_format(self, meta: dict[str, Any]) -> None:
     if meta.get("format") != CHECKPOINT_FORMAT:
@@ -711,6 +746,8 @@ class AsyncRuntime:
 
   def load_state_dict(self, arrays: PyTree, meta: dict[str, Any]) -> None:
     self._check_format(meta)
+    if self._remote is not None:
+      arrays, meta = self._own_part(arrays, meta)
     saved = meta["num_devices"]
     source = self.store.load(arrays, meta["weights"], meta["iterations"])
     for k in range(self.num_devices):

@@ -42,13 +42,13 @@ def _wait_for(path: pathlib.Path, process: subprocess.Popen, timeout: float) -> 
     time.sleep(0.1)
 
 
-def _interrupt_after_first_checkpoint(command, work, interrupt, timeout=60):
-  """Starts `command`, calls `interrupt(process)` once `work` holds checkpoint 10; returns the
+def _interrupt_after_first_checkpoint(command, work, interrupt, timeout=60, checkpoint=10):
+  """Starts `command`, calls `interrupt(process)` once `work` holds `checkpoint`; returns the
   process, its output and the seconds from the interruption to its exit."""
   process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
   try:
-    _wait_for(work / "checkpoints" / "10", process, timeout=300)
+    _wait_for(work / "checkpoints" / str(checkpoint), process, timeout=300)
     interrupt(process)
     start = time.monotonic()
     output = process.communicate(timeout=timeout)[0]
@@ -139,20 +139,30 @@ def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_pa
           "coordinator); process 0 stops.") in output
 
 
-def test_layup_across_two_processes_trains_the_digits(tmp_path):
+def test_layup_across_two_processes_trains_the_digits_and_resumes_after_a_kill(tmp_path):
   """LayUp on 2 processes x 4 devices, its sends to the other process's devices through the
-  transfer server: the push-sum average reaches 0.95 on the digits, the weights summing to 1."""
+  transfer server: process 1 is killed after the checkpoint at step 100 (every process's
+  replicas, written by process 0); the launcher stops the run in one line; the same command
+  resumes there, and the push-sum average reaches 0.95 on the digits, the weights summing to 1."""
   work = tmp_path / "run"
-  settings = {"algorithm": "layup", "num_steps": 200, "eval_every": 0,
-              "checkpoint.enabled": False, "progress_bar": False}
-  done = subprocess.run(_launcher(work, settings), cwd=ROOT, capture_output=True, text=True,
-                        timeout=600, check=False)
+  settings = {"algorithm": "layup", "num_steps": 200, "eval_every": 100, "checkpoint.every": 100,
+              "progress_bar": False}
+  command = _launcher(work, settings)
+  launcher, output, seconds = _interrupt_after_first_checkpoint(
+      command, work, _kill_process_1(work), checkpoint=100)
+  assert seconds < 30 and launcher.returncode == 128 + signal.SIGKILL, output[-3000:]
+  assert "launch: process 1 was killed by SIGKILL; stopping the others" in output
+  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                        check=False)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   summary = json.loads((work / "summary.json").read_text())
+  assert summary["resumed_from_step"] == 100
   assert summary["num_devices"] == 8 and summary["final_eval_accuracy"] >= 0.95
   assert summary["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
   assert summary["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
   assert len(summary["device_samples_per_s"]) == 8 and min(summary["device_samples_per_s"]) > 0
+  assert [(r["step"], r["split"]) for r in read_metrics(work)] == [
+      (0, "test"), (100, "train"), (100, "test"), (200, "train"), (200, "test")]
 
 
 @pytest.mark.parametrize("algorithm", ["layup", "gosgd"])
