@@ -3,13 +3,14 @@ notices and acknowledgements through the coordination service's key-value store.
 
 A send to a device of another process (an outbox's send, layup_jax/outbox.py) offers the
 computed stage to this process's transfer server under a fresh uuid (`await_pull`) and then
-writes a notice `(uuid, peer, stage, push-sum amount)` under `layup_jax/gossip/<to>/<from>/<n>`,
-n counting the notices from this process to that one. The peer's process has one receiver
-thread per other process (started by the runtime): it waits for notice n, pulls the arrays onto
-the peer's device, merges them into the replica with the same atomic write as a local send
-(`ReplicaStore.merge`: the push-sum amount added to w_{j,s} with the stage), deletes the notice
-and acknowledges with `layup_jax/gossip-ack/<from>/<to> = n`. Only announced uuids are pulled:
-a pull of a uuid never offered waits forever (docs/multihost_probes.md).
+writes a notice `(uuid, peer, stage, push-sum amount)` under `layup_jax/gossip/<to>/<from>/<b>/<n>`,
+n counting the notices from this process to that one (b = its batch of 64). The peer's process
+has one receiver thread per other process (started by the runtime): it waits for notice n,
+pulls the arrays onto the peer's device, merges them into the replica with the same atomic
+write as a local send (`ReplicaStore.merge`: the push-sum amount added to w_{j,s} with the
+stage), and acknowledges with `layup_jax/gossip-ack/<from>/<to> = n` (every 16 notices, and
+whenever none is waiting), deleting a batch's notices once all are merged. Only announced uuids
+are pulled: a pull of a uuid never offered waits forever (docs/multihost_probes.md).
 
 The sender never waits for the receiver's device: the offer is of a stage already computed, and
 the notice is a few bytes. It waits only when `max_in_flight` notices to one process are not
@@ -18,6 +19,7 @@ where the runtime's threads are idle: every notice acknowledged means every shar
 been added on its peer, so the per-stage push-sum sum over all processes is exact again there.
 """
 
+import collections
 import itertools
 import json
 import socket
@@ -34,7 +36,13 @@ from layup_jax.errors import ConfigError
 
 PyTree = Any
 _NOTICE_WAIT_MS = 200  # a receiver looks at the stop flag this often while no notice comes
-_ACK_POLL_S = 0.001
+# Key-value writes cost milliseconds on a busy host, more than a pull and a merge of a stage:
+# a receiver acknowledges every `_ACK_EVERY` notices, or as soon as no notice is waiting
+# (within `_IDLE_MS`), and deletes its notices a batch directory at a time.
+_ACK_EVERY = 16
+_IDLE_MS = 2
+_BATCH = 64
+_ACK_POLL_S = 0.002  # how often a waiting sender reads the acknowledgements
 
 
 def own_address_toward(host: str) -> str:
@@ -71,19 +79,6 @@ def start_server(host: str, num_local_devices: int):
         f"processes reach") from error
 
 
-class RemoteLanding:
-  """A send to another process, landed once its notice is acknowledged (the merge is then
-  dispatched on the peer): what the update-latency watcher waits for."""
-
-  def __init__(self, peers: "RemotePeers", process: int, notice: int):
-    self._peers, self._process, self._notice = peers, process, notice
-
-  def block_until_ready(self) -> "RemoteLanding":
-    while self._peers.acknowledged(self._process) < self._notice:
-      time.sleep(_ACK_POLL_S)
-    return self
-
-
 class RemotePeers:
   """This process's sends to, and receipts from, the devices of the other processes."""
 
@@ -108,6 +103,9 @@ class RemotePeers:
     self._lock = threading.Lock()  # notice counters and acknowledgements, shared by senders
     self._sent = {k: 0 for k in self.other_processes()}
     self._acked = {k: 0 for k in self.other_processes()}
+    # Per received send: seconds from its offer (the sender's clock) to its merge dispatched
+    # here; comparable clocks on one host, an estimate across hosts.
+    self.latencies: collections.deque = collections.deque()
 
   def other_processes(self) -> list[int]:
     return sorted({p for p in self._process_of if p != self._me})
@@ -118,9 +116,9 @@ class RemotePeers:
   # --- sending --------------------------------------------------------------------------------
 
   def send(self, peer: int, s: int, part: PyTree, amount: float,
-           stopped: Callable[[], bool]) -> RemoteLanding:
+           stopped: Callable[[], bool]) -> None:
     """Offers `part` (computed) for `peer`'s process to pull and merge into stage s with the
-    push-sum `amount`; returns the send's landing."""
+    push-sum `amount` (its latency is recorded there, in `latencies`)."""
     process = self._process_of[peer]
     uuid = (self._me << 48) | next(self._uuids)
     with self._lock:
@@ -130,11 +128,12 @@ class RemotePeers:
       if stopped():
         break
       time.sleep(_ACK_POLL_S)
+    offered_at = time.time()
     self._server.await_pull(uuid, jax.tree.leaves(part))
     self._client.key_value_set(
         self._notice_key(process, self._me, notice),
-        json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount}))
-    return RemoteLanding(self, process, notice)
+        json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount,
+                    "offered_at": offered_at}))
 
   def sends(self) -> int:
     """How many sends this process has made to other processes' devices."""
@@ -159,28 +158,53 @@ class RemotePeers:
 
   def receive(self, source: int, stopped: Callable[[], bool]) -> None:
     """The receiver loop for notices from process `source` (a runtime thread), until
-    `stopped()`."""
-    received = 0
+    `stopped()`: waits for the next notice, then takes every later one already written to its
+    batch in one read, and merges them in order."""
+    received = acknowledged = 0
     while not stopped():
       key = self._notice_key(self._me, source, received + 1)
       try:
-        notice = json.loads(self._client.blocking_key_value_get(key, _NOTICE_WAIT_MS))
+        first = self._client.blocking_key_value_get(
+            key, _IDLE_MS if acknowledged < received else _NOTICE_WAIT_MS)
       except Exception as error:  # DEADLINE_EXCEEDED: nothing yet
-        if "DEADLINE_EXCEEDED" in str(error):
-          continue
-        raise
-      j, s = notice["peer"] - self._first, notice["stage"]
-      template = self._template(s)
-      sharding = jax.sharding.SingleDeviceSharding(self._device_of(j))
-      specs = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sharding)
-               for t in jax.tree.leaves(template)]
-      leaves = self._connection(source).pull(notice["uuid"], specs)
-      self._merge(j, s, jax.tree.unflatten(jax.tree.structure(template), leaves),
-                  float(notice["amount"]))
-      received += 1
-      self._client.key_value_delete(key)
-      self._client.key_value_set(f"layup_jax/gossip-ack/{source}/{self._me}", str(received),
-                                 allow_overwrite=True)
+        if "DEADLINE_EXCEEDED" not in str(error):
+          raise
+        if acknowledged < received:  # idle: acknowledge what is merged
+          acknowledged = self._acknowledge(source, received)
+        continue
+      notices = [json.loads(first)]
+      if received % _BATCH != _BATCH - 1:  # not the batch's last: more may wait behind it
+        batch = self._batch_key(self._me, source, received + 1)
+        waiting = {int(k.rsplit("/", 1)[1]): v
+                   for k, v in self._client.key_value_dir_get(batch + "/")}
+        n = received + 2
+        while n in waiting:
+          notices.append(json.loads(waiting[n]))
+          n += 1
+      for notice in notices:
+        self._receive_one(source, notice)
+        received += 1
+        if received % _BATCH == 0:  # the batch's notices are all merged
+          self._client.key_value_delete(self._batch_key(self._me, source, received))
+        if received - acknowledged >= _ACK_EVERY:
+          acknowledged = self._acknowledge(source, received)
+
+  def _receive_one(self, source: int, notice: dict) -> None:
+    """Pulls one announced send onto its device and merges it."""
+    j, s = notice["peer"] - self._first, notice["stage"]
+    template = self._template(s)
+    sharding = jax.sharding.SingleDeviceSharding(self._device_of(j))
+    specs = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sharding)
+             for t in jax.tree.leaves(template)]
+    leaves = self._connection(source).pull(notice["uuid"], specs)
+    self._merge(j, s, jax.tree.unflatten(jax.tree.structure(template), leaves),
+                float(notice["amount"]))
+    self.latencies.append(time.time() - notice["offered_at"])
+
+  def _acknowledge(self, source: int, received: int) -> int:
+    self._client.key_value_set(f"layup_jax/gossip-ack/{source}/{self._me}", str(received),
+                               allow_overwrite=True)
+    return received
 
   def _connection(self, process: int):
     if process not in self._connections:
@@ -188,8 +212,13 @@ class RemotePeers:
     return self._connections[process]
 
   @staticmethod
-  def _notice_key(to: int, source: int, n: int) -> str:
-    return f"layup_jax/gossip/{to}/{source}/{n}"
+  def _batch_key(to: int, source: int, n: int) -> str:
+    """The directory of notice n (1-based) and its batch: deleted in one call once merged."""
+    return f"layup_jax/gossip/{to}/{source}/{(n - 1) // _BATCH}"
+
+  @classmethod
+  def _notice_key(cls, to: int, source: int, n: int) -> str:
+    return f"{cls._batch_key(to, source, n)}/{n}"
 
   def _try_get(self, key: str) -> str | None:
     try:

@@ -68,6 +68,16 @@ def stage_latency_ms(per_stage: Sequence[Sequence[float]] | None) -> list[float 
   return [1e3 * statistics.median(samples) if samples else None for samples in per_stage]
 
 
+def send_latency_ms(samples: Sequence[float]) -> Record | None:
+  """Median, 90th percentile and count of send latencies (seconds) in ms; None without any."""
+  if not samples:
+    return None
+  ordered = sorted(samples)
+  return {"median": 1e3 * statistics.median(ordered),
+          "p90": 1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+          "count": len(ordered)}
+
+
 def throughput(iterations_per_device: Sequence[int], batch_size: int, train_time_s: float,
                flops_per_iteration: float | None, peak_flops: float | None) -> Record:
   """Samples/s per device, achieved TFLOP/s per device and MFU (None where unknown)."""

@@ -137,6 +137,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                                    train_time, flops_per_iteration, peak)
 
   latencies: list[list[float]] | None = None  # every sample of this process, per stage
+  remote_latencies: list[float] = []  # every send between processes (process 0, gathered)
 
   def stage_latencies() -> list[float | None] | None:
     nonlocal latencies
@@ -155,6 +156,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
                     "samples_per_s": samples_per_s(), **throughput(),
                     "stage_update_latency_ms": stage_latencies(),
                     "skipped_steps": runtime.skipped_steps()})
+    remote_latencies.extend(runtime.remote_send_latencies())
     record = {**common, "split": "test", **evaluator.evaluate(runtime.snapshot())}
     if dataset.kind == "language_model":  # accuracy is next-token accuracy
       record["perplexity"] = math.exp(min(record["loss"], 50.0))
@@ -277,6 +279,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       "train_samples_per_s": samples_per_s(),
       "skipped_steps": runtime.skipped_steps(),
       "stage_update_latency_ms": measurements.stage_latency_ms(latencies),
+      "remote_send_latency_ms": measurements.send_latency_ms(remote_latencies),
       "flops_per_iteration": flops_per_iteration,
       "peak_flops": peak,
       **throughput(),

@@ -492,8 +492,9 @@ class AsyncRuntime:
         except FutureTimeout:
           if self._stop.is_set():
             raise _Stopped() from None
-      jax.block_until_ready(landed)
-      self._latencies[i].append((s, time.perf_counter() - start))
+      if landed is not None:  # None: a send to another process, timed there
+        jax.block_until_ready(landed)
+        self._latencies[i].append((s, time.perf_counter() - start))
     finally:
       self._landings[i].task_done()
 
@@ -593,7 +594,8 @@ class AsyncRuntime:
                          "weights": snapshot.weights, "state_weights": snapshot.state_weights},
             "losses": self._drain_losses(), "latencies": self._drain_latencies(),
             "iterations": [r.iteration for r in self.store.replicas],
-            "skipped": [c.skipped for c in self._checks]}
+            "skipped": [c.skipped for c in self._checks],
+            "remote_latencies": self._drain_remote_latencies()}
     parts = distributed.all_gather_pickled(mine)
     joined = lambda key: [x for part in parts for x in part[key]]
     snapshots = [part["snapshot"] for part in parts]
@@ -601,7 +603,7 @@ class AsyncRuntime:
     self._collected = {
         "snapshot": Snapshot(**{f: [x for sn in snapshots for x in sn[f]] for f in fields}),
         "losses": joined("losses"), "iterations": joined("iterations"),
-        "skipped": joined("skipped"),
+        "skipped": joined("skipped"), "remote_latencies": joined("remote_latencies"),
         "latencies": [[x for part in parts for x in part["latencies"][s]]
                       for s in range(self.num_stages)],
     }
@@ -644,6 +646,16 @@ class AsyncRuntime:
         s, seconds = samples.popleft()
         per_stage[s].append(seconds)
     return per_stage
+
+  def _drain_remote_latencies(self) -> list[float]:
+    samples = self._remote.latencies if self._remote is not None else collections.deque()
+    return [samples.popleft() for _ in range(len(samples))]
+
+  def remote_send_latencies(self) -> list[float]:
+    """Seconds from offer to merge of the sends between processes since the previous call."""
+    if self._collected is not None:
+      return self._collected.pop("remote_latencies", [])
+    return self._drain_remote_latencies()
 
   def stage_latencies(self) -> list[list[float]]:
     """Update latency samples (seconds) of each stage since the previous call, all devices."""

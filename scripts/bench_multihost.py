@@ -10,10 +10,13 @@ the coordination service), not what a second host adds. `2x4-netns` runs the two
 two network namespaces joined by a veth pair (`scripts/netns_drill.sh`, as root): every byte
 between them crosses a network interface, as between hosts.
 
-Across processes only DDP runs so far (layup_jax/distributed.py); the gossip algorithms and
-their per-send latency come when they do.
+For LayUp and GoSGD the table also gives the per-send latency between processes (median over
+the run of the time from a stage's offer to its merge dispatched on the peer's process,
+`remote_send_latency_ms` of the summary) and, beside it, the update latency of the sends within
+a process (`stage_update_latency_ms`, sampled every `metrics.latency_every` iterations: from the
+gradient computed to the merge computed on the peer).
 
-  python scripts/bench_multihost.py --algorithms ddp --num-steps 60 --repeats 3 --out m.json
+  python scripts/bench_multihost.py --algorithms ddp layup --num-steps 60 --repeats 3 --out m.json
   sudo python scripts/bench_multihost.py --layouts 1x8 2x4 2x4-netns --out m.json
 """
 
@@ -54,16 +57,20 @@ def run(layout: str, algorithm: str, args, workdir: str) -> dict:
     sys.exit(f"{layout} {algorithm} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
+  remote = summary.get("remote_send_latency_ms") or {}
+  local = [v for v in summary.get("stage_update_latency_ms") or [] if v is not None]
   return {"layout": layout, "algorithm": algorithm,
           "samples_per_s": summary["train_samples_per_s"],
           "wall_time_s": summary["wall_time_s"], "compile_s": summary["compile_s"],
-          "final_eval_loss": summary["final_eval_loss"]}
+          "final_eval_loss": summary["final_eval_loss"],
+          "send_latency_ms": remote.get("median"), "sends_between_processes": remote.get("count"),
+          "update_latency_ms": statistics.mean(local) if local else None}
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", default="configs/digits.py")
-  parser.add_argument("--algorithms", nargs="+", default=["ddp"])
+  parser.add_argument("--algorithms", nargs="+", default=["ddp", "layup"])
   parser.add_argument("--layouts", nargs="+", default=["1x8", "2x4"])
   parser.add_argument("--num-steps", type=int, default=60)
   parser.add_argument("--repeats", type=int, default=3)
@@ -91,15 +98,24 @@ def main() -> None:
                                           if b["algorithm"] == algorithm and b["repeat"]
                                           == r["repeat"] and b["layout"] == reference)
                 for r in mine]
+      def median_of(key, mine=mine):
+        values = [r[key] for r in mine if r[key] is not None]
+        return statistics.median(values) if values else None
+
       table.append({"algorithm": algorithm, "layout": layout,
                     "samples_per_s": statistics.median(r["samples_per_s"] for r in mine),
                     f"vs_{reference}": statistics.median(ratios),
+                    "send_latency_ms": median_of("send_latency_ms"),
+                    "update_latency_ms": median_of("update_latency_ms"),
                     "final_eval_loss": [r["final_eval_loss"] for r in mine]})
-  print(f"\n| algorithm | layout | samples/s (median) | vs {reference} (median of repeats) |")
-  print("|---|---|---|---|")
+  print(f"\n| algorithm | layout | samples/s (median) | vs {reference} (median of repeats) | "
+        f"send latency between processes, ms | update latency within a process, ms |")
+  print("|---|---|---|---|---|---|")
+  cell = lambda v: "-" if v is None else f"{v:.1f}"
   for row in table:
     print(f"| {row['algorithm']} | {row['layout']} | {row['samples_per_s']:.0f} | "
-          f"{row[f'vs_{reference}']:.2f} |")
+          f"{row[f'vs_{reference}']:.2f} | {cell(row['send_latency_ms'])} | "
+          f"{cell(row['update_latency_ms'])} |")
   with open(args.out, "w") as f:
     json.dump({**provenance.stamp(), "args": vars(args), "table": table, "runs": runs}, f,
               indent=2)

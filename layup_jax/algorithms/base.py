@@ -60,6 +60,10 @@ class Runtime(Protocol):
   def stage_latencies(self) -> list[list[float]] | None:
     """Per stage, the update latencies (s) sampled since the previous call; None if not timed."""
 
+  def remote_send_latencies(self) -> list[float]:
+    """Seconds from offer to merge of each send to another process's device since the previous
+    call (none in one process, or without gossip)."""
+
   def skipped_steps(self) -> int:
     """Iterations whose update was skipped for a non-finite gradient (`faults.nonfinite`)."""
 

@@ -178,6 +178,9 @@ class DDPRuntime:
   def collect(self) -> None:
     """Nothing: every process reads the one replicated model."""
 
+  def remote_send_latencies(self) -> list[float]:
+    return []  # no gossip
+
   def snapshot(self) -> Snapshot:
     ones = [[1.0] * len(self.params)]
     # This process's copy of the replicated model (in a multi-process run the global arrays
