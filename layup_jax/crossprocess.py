@@ -84,16 +84,20 @@ class RemotePeers:
 
   def __init__(self, process_of: list[int], first: int, count: int,
                part_template: Callable[[int], PyTree], device_of: Callable[[int], jax.Device],
-               merge: Callable[[int, int, PyTree, float], None], host: str = "",
+               merge: Callable[[int, int, PyTree, float], None],
+               read: Callable[[int, int], PyTree],
+               correct: Callable[[int, int, PyTree, PyTree], None], host: str = "",
                max_in_flight: int = 64):
     """`process_of[g]`: the process of global device g; this process drives devices
     `first .. first + count - 1` (store indices 0 .. count - 1). `part_template(s)`: the
     pytree of ShapeDtypeStructs of what a send of stage s carries; `merge(j, s, received,
-    amount)`: the store's merge into local device j."""
+    amount)`: the store's merge into local device j; `read(j, s)` and `correct(j, s, before,
+    other)`: the store's reads and pairwise-average corrections (AD-PSGD)."""
     self._client = distributed.coordination_client()
     self._me, self._process_of = jax.process_index(), list(process_of)
     self._first, self._count = first, count
     self._template, self._device_of, self._merge = part_template, device_of, merge
+    self._read, self._correct = read, correct
     self.max_in_flight = max_in_flight
     self._server = start_server(transfer_host(host), count)
     addresses = distributed.all_gather_json(self._server.address())
@@ -120,7 +124,6 @@ class RemotePeers:
     """Offers `part` (computed) for `peer`'s process to pull and merge into stage s with the
     push-sum `amount` (its latency is recorded there, in `latencies`)."""
     process = self._process_of[peer]
-    uuid = (self._me << 48) | next(self._uuids)
     with self._lock:
       self._sent[process] += 1
       notice = self._sent[process]
@@ -128,12 +131,20 @@ class RemotePeers:
       if stopped():
         break
       time.sleep(_ACK_POLL_S)
+    self._offer_and_announce(process, notice, peer, s, part, amount)
+
+  def _offer_and_announce(self, process: int, notice: int, peer: int, s: int, part: PyTree,
+                          amount: float, average: bool = False) -> int:
+    """Offers `part` under a fresh uuid, then writes notice number `notice` to `process`;
+    returns the uuid."""
+    uuid = (self._me << 48) | next(self._uuids)
     offered_at = time.time()
     self._server.await_pull(uuid, jax.tree.leaves(part))
     self._client.key_value_set(
         self._notice_key(process, self._me, notice),
         json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount,
-                    "offered_at": offered_at}))
+                    "offered_at": offered_at, "average": average}))
+    return uuid
 
   def sends(self) -> int:
     """How many sends this process has made to other processes' devices."""
@@ -182,23 +193,66 @@ class RemotePeers:
           notices.append(json.loads(waiting[n]))
           n += 1
       for notice in notices:
-        self._receive_one(source, notice)
+        if notice.get("average"):
+          self._answer_average(source, notice)
+        else:
+          self._receive_one(source, notice)
         received += 1
         if received % _BATCH == 0:  # the batch's notices are all merged
           self._client.key_value_delete(self._batch_key(self._me, source, received))
         if received - acknowledged >= _ACK_EVERY:
           acknowledged = self._acknowledge(source, received)
 
-  def _receive_one(self, source: int, notice: dict) -> None:
-    """Pulls one announced send onto its device and merges it."""
-    j, s = notice["peer"] - self._first, notice["stage"]
+  def _pull(self, source: int, uuid: int, j: int, s: int) -> PyTree:
+    """An announced offer of stage s from process `source`, onto local device j."""
     template = self._template(s)
     sharding = jax.sharding.SingleDeviceSharding(self._device_of(j))
     specs = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sharding)
              for t in jax.tree.leaves(template)]
-    leaves = self._connection(source).pull(notice["uuid"], specs)
-    self._merge(j, s, jax.tree.unflatten(jax.tree.structure(template), leaves),
-                float(notice["amount"]))
+    leaves = self._connection(source).pull(uuid, specs)
+    return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+  def _receive_one(self, source: int, notice: dict) -> None:
+    """Pulls one announced send onto its device and merges it."""
+    j, s = notice["peer"] - self._first, notice["stage"]
+    self._merge(j, s, self._pull(source, notice["uuid"], j, s), float(notice["amount"]))
+    self.latencies.append(time.time() - notice["offered_at"])
+
+  # --- pairwise averages (AD-PSGD) ------------------------------------------------------------
+
+  def average(self, i: int, peer: int, s: int, stopped: Callable[[], bool]) -> None:
+    """AD-PSGD's pairwise average of stage s of local device i with `peer` on another
+    process: offers i's version (the store's read, computed), waits for the peer's version
+    read when the peer's process took the offer, and corrects i toward the pair's average (the
+    store's `correct_toward`); the peer's process corrects its side the same way
+    (`_answer_average`), so the sum of the two models is kept. Synchronous by definition: the
+    caller waits for the peer's process (its receiver thread, never its updater)."""
+    process = self._process_of[peer]
+    mine = jax.block_until_ready(self._read(i, s))
+    with self._lock:
+      self._sent[process] += 1
+      notice = self._sent[process]
+    uuid = self._offer_and_announce(process, notice, peer, s, mine, 0.0, average=True)
+    reply = f"layup_jax/gossip-reply/{self._me}/{uuid}"
+    while True:
+      try:
+        theirs_uuid = int(self._client.blocking_key_value_get(reply, _NOTICE_WAIT_MS))
+        break
+      except Exception as error:  # DEADLINE_EXCEEDED: not answered yet
+        if "DEADLINE_EXCEEDED" not in str(error) or stopped():
+          raise
+    self._client.key_value_delete(reply)
+    self._correct(i, s, mine, self._pull(process, theirs_uuid, i, s))
+
+  def _answer_average(self, source: int, notice: dict) -> None:
+    """The peer's side of `average`: offers its version as read now, then pulls the
+    requester's and corrects its own toward the average."""
+    j, s = notice["peer"] - self._first, notice["stage"]
+    theirs = jax.block_until_ready(self._read(j, s))
+    uuid = (self._me << 48) | next(self._uuids)
+    self._server.await_pull(uuid, jax.tree.leaves(theirs))
+    self._client.key_value_set(f"layup_jax/gossip-reply/{source}/{notice['uuid']}", str(uuid))
+    self._correct(j, s, theirs, self._pull(source, notice["uuid"], j, s))
     self.latencies.append(time.time() - notice["offered_at"])
 
   def _acknowledge(self, source: int, received: int) -> int:
@@ -207,9 +261,11 @@ class RemotePeers:
     return received
 
   def _connection(self, process: int):
-    if process not in self._connections:
-      self._connections[process] = self._server.connect(self._addresses[process])
-    return self._connections[process]
+    """One connection per process, shared by the receiver and AD-PSGD's requesters."""
+    with self._lock:
+      if process not in self._connections:
+        self._connections[process] = self._server.connect(self._addresses[process])
+      return self._connections[process]
 
   @staticmethod
   def _batch_key(to: int, source: int, n: int) -> str:

@@ -11,9 +11,12 @@ feeds only its own devices (`local_positions`), and only process 0 writes record
 (`is_primary`). Checkpoints are one Orbax checkpoint of the whole run, written by every process
 together into the workdir, which must be on a filesystem every process sees; a stop request
 (SIGTERM, Ctrl-C) takes effect at the next evaluation or checkpoint, where the processes agree
-on it. Across processes run so far: DDP, LayUp and GoSGD (their sends to other processes'
-devices through layup_jax/crossprocess.py; process 0 writes their checkpoints with every
-process's replicas, layup_jax/runtime.py) (`MULTI_PROCESS_ALGORITHMS`).
+on it. Across processes run so far (`MULTI_PROCESS_ALGORITHMS`): DDP; LayUp, GoSGD and
+AD-PSGD, their sends and pairwise averages with other processes' devices through
+layup_jax/crossprocess.py, process 0 writing their
+checkpoints with every process's replicas (layup_jax/runtime.py); the periodic baselines, their
+average an all-reduce over every process's devices (layup_jax/collectives.py), without
+checkpoints so far.
 """
 
 import contextlib
@@ -96,8 +99,9 @@ def local_positions(devices) -> list[int]:
 
 
 # What runs across processes so far; the rest is refused in one line before anything is built.
-MULTI_PROCESS_ALGORITHMS = ("ddp", "layup", "gosgd")
-GOSSIP_ALGORITHMS = ("layup", "gosgd")  # their sends to other processes: crossprocess.py
+GOSSIP_ALGORITHMS = ("layup", "gosgd", "adpsgd")  # to other processes: crossprocess.py
+PERIODIC_ALGORITHMS = ("local_sgd", "slowmo", "co2", "diloco")  # an all-reduce over processes
+MULTI_PROCESS_ALGORITHMS = ("ddp", *GOSSIP_ALGORITHMS, *PERIODIC_ALGORITHMS)
 
 
 def check_supported(config: ml_collections.ConfigDict) -> None:
@@ -117,6 +121,9 @@ def check_supported(config: ml_collections.ConfigDict) -> None:
                       f"{list(MULTI_PROCESS_ALGORITHMS)} run so far; run it in one process")
   if config.straggler.device >= 0:
     raise ConfigError("config.straggler.device: no straggler injection across processes yet")
+  if config.algorithm in PERIODIC_ALGORITHMS and config.checkpoint.enabled:
+    raise ConfigError(f"config.checkpoint.enabled: checkpoints of a {config.algorithm} run across "
+                      f"processes are not built yet; set --config.checkpoint.enabled=False")
   if config.algorithm in GOSSIP_ALGORITHMS and config.layup.push_sum != "per_stage":
     raise ConfigError("config.layup.push_sum: across processes only per_stage push-sum runs "
                       "(a per-model weight would have to follow the last stage to the peer)")

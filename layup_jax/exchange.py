@@ -71,13 +71,17 @@ class PeerSampler:
 @dataclasses.dataclass(frozen=True)
 class Links:
   """What an exchange works with: the replicas, each device's outbox, the peer sampler, the
-  runtime's options, and `stopped()`, true once the runtime stops (for waits at a period)."""
+  runtime's options, `stopped()`, true once the runtime stops (for waits at a period), the
+  run's devices (every process's; the store holds this process's), and, in a run across
+  processes, the link to the other processes' devices (layup_jax/crossprocess.py; else None)."""
 
   store: ReplicaStore
   outboxes: list[Outbox]
   peers: PeerSampler
   options: RuntimeOptions
   stopped: Any
+  run_devices: list
+  remote: Any = None
 
 
 class Exchange(Protocol):
@@ -89,9 +93,16 @@ class Exchange(Protocol):
   of the stage's backward (`ReplicaStore.backward_step`), and `on_stage` gets `grads=None`: the
   stage's params are then already updated. An algorithm whose step must wait for something
   else (AD-PSGD averages first) leaves it False and applies the gradient in `on_stage`.
+
+  `schedule_by_own_iteration`: the learning-rate schedule's step of an iteration is the
+  device's own iteration count (the periodic baselines: every device takes the same local
+  steps between averages, as each rank of their reference implementations counts its own),
+  instead of the run's global step when the iteration starts (the gossip algorithms, where a
+  fast device takes more iterations than a slow one and the schedule follows the samples seen).
   """
 
   fuses_local_step: bool
+  schedule_by_own_iteration: bool
 
   def begin(self, i: int) -> Any: ...
 
@@ -123,6 +134,7 @@ class StatelessExchange:
   own beyond the replicas."""
 
   fuses_local_step = False
+  schedule_by_own_iteration = False
 
   def __init__(self, links: Links):
     self.links, self.store, self.peers = links, links.store, links.peers

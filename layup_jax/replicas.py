@@ -310,10 +310,15 @@ class ReplicaStore:
     jax.block_until_ready((mine, theirs))
     theirs_here = transfer.to_device(theirs, self.device(i))
     mine_there = transfer.to_device(mine, self.device(j))
-    for k, before, other in ((i, mine, theirs_here), (j, theirs, mine_there)):
-      with self._writing(k, s):
-        self._store_mixed_part(k, s, self._toward_average(self._mixed_part(k, s), before,
-                                                          other))
+    self.correct_toward(i, s, mine, theirs_here)
+    self.correct_toward(j, s, theirs, mine_there)
+
+  def correct_toward(self, i: int, s: int, before: PyTree, other: PyTree) -> None:
+    """One side of a pairwise average: stage s of device i, read as `before`, receives
+    `(other - before) / 2` on its newest version (`pushsum.toward_average`); `other` is the
+    peer's version, on device i."""
+    with self._writing(i, s):
+      self._store_mixed_part(i, s, self._toward_average(self._mixed_part(i, s), before, other))
 
   def reset(self, i: int, params: Sequence[PyTree], state: Sequence[PyTree] | None) -> None:
     """Device i's model <- given per-stage params and state (a period's result); `state`

@@ -6,8 +6,9 @@ every write to them are the `ReplicaStore`'s (layup_jax/replicas.py).
 
 Compute thread i: forward stage by stage, each stage reading device i's *current* params when it
 is dispatched (so updates that land mid-forward are used), then the stage VJPs in reverse order,
-handing each stage to updater i as soon as it is dispatched, with the run's global step at the
-iteration's start (which drives the learning-rate schedule). Where the exchange allows it
+handing each stage to updater i as soon as it is dispatched, with the step that drives the
+learning-rate schedule (the run's global step at the iteration's start, or the device's own
+iteration count: `Exchange.schedule_by_own_iteration`). Where the exchange allows it
 (`Exchange.fuses_local_step`: LayUp, GoSGD, the periodic baselines) each stage's local update
 is in the program of its backward, and what is handed over is the updated stage; else
 (AD-PSGD) the gradient, which the updater applies. Fusing saves a program launch per stage and
@@ -236,6 +237,7 @@ class AsyncRuntime:
     if positions != list(range(positions[0], positions[0] + len(positions))):
       raise ConfigError(f"this process's devices are not consecutive in the run: {positions}")
     self.first, self.total_devices = positions[0], len(devices)
+    run_devices = list(devices)
     devices = [devices[p] for p in positions]
     train_batches = [list(train_batches)[p] for p in positions]
     self.num_devices, self.num_stages = len(devices), model.num_stages
@@ -248,19 +250,20 @@ class AsyncRuntime:
     self.peers = PeerSampler(self.total_devices, options.seed, options.gossip, self.first,
                              self.num_devices)
     self._stop = threading.Event()
-    self._remote = None  # sends to and from other processes' devices
+    self._remote = None  # a run across processes: sends to and from the others' devices
     if self.num_devices < self.total_devices:
       self._remote = crossprocess.RemotePeers(
           [d.process_index for d in jax.devices()[:self.total_devices]], self.first,
           self.num_devices, self.store.part_template, self.store.device,
           lambda j, s, received, amount: self.store.merge(j, s, received, amount, True),
+          lambda j, s: self.store.take(j, s, halve=False)[0], self.store.correct_toward,
           host=options.transfer_host)
     self.outboxes = [Outbox(self.store, i, self.peers.choose, options.max_sends_in_flight,
                             first=self.first, remote=self._remote, stopped=self._stop.is_set)
                      for i in range(self.num_devices)]
     self._collected: dict[str, Any] | None = None  # every process's part (`collect`)
     self.exchange = make_exchange(Links(self.store, self.outboxes, self.peers, options,
-                                        self._stop.is_set))
+                                        self._stop.is_set, run_devices, self._remote))
     self._fused = self.exchange.fuses_local_step and options.fuse_local_step
     self._clocks = [IterationClock(options.delay_of(i), options.straggler_mode, device)
                     for i, device in enumerate(devices)]
@@ -293,9 +296,11 @@ class AsyncRuntime:
     the loss and stage 0's output."""
     store, replica = self.store, self.store.replicas[i]
     batch = next(self._train_batches[i])
+    step = (replica.iteration if self.exchange.schedule_by_own_iteration
+            else index // self.num_devices)
     x, labels, iteration, step = transfer.to_device(
-        (batch.inputs, batch.targets, np.int32(replica.iteration),
-         np.int32(index // self.num_devices)), replica.device)
+        (batch.inputs, batch.targets, np.int32(replica.iteration), np.int32(step)),
+        replica.device)
     replica.iteration += 1
 
     def at_stage(stage_idx: int) -> None:
@@ -408,6 +413,9 @@ class AsyncRuntime:
     if self.options.max_sends_in_flight:
       outputs += outbox.compile_landed(self.store)
     jax.block_until_ready(outputs)
+    # Every process here before the first collective: gloo forms its context on the first
+    # all-reduce and gives up after 30 s, less than a loaded host's compilation may differ by.
+    distributed.all_gather_json(None)
     self.exchange.compile()
 
   # --- the threads ----------------------------------------------------------------------------

@@ -141,35 +141,57 @@ def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_pa
 
 def test_layup_across_two_processes_trains_the_digits_and_resumes_after_a_kill(tmp_path):
   """LayUp on 2 processes x 4 devices, its sends to the other process's devices through the
-  transfer server: process 1 is killed after the checkpoint at step 100 (every process's
+  transfer server: process 1 is killed after the checkpoint at step 80 (every process's
   replicas, written by process 0); the launcher stops the run in one line; the same command
   resumes there, and the push-sum average reaches 0.95 on the digits, the weights summing to 1."""
   work = tmp_path / "run"
-  settings = {"algorithm": "layup", "num_steps": 200, "eval_every": 100, "checkpoint.every": 100,
+  settings = {"algorithm": "layup", "num_steps": 160, "eval_every": 80, "checkpoint.every": 80,
               "progress_bar": False}
   command = _launcher(work, settings)
   launcher, output, seconds = _interrupt_after_first_checkpoint(
-      command, work, _kill_process_1(work), checkpoint=100)
+      command, work, _kill_process_1(work), checkpoint=80)
   assert seconds < 30 and launcher.returncode == 128 + signal.SIGKILL, output[-3000:]
   assert "launch: process 1 was killed by SIGKILL; stopping the others" in output
   done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                         check=False)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   summary = json.loads((work / "summary.json").read_text())
-  assert summary["resumed_from_step"] == 100
+  assert summary["resumed_from_step"] == 80
   assert summary["num_devices"] == 8 and summary["final_eval_accuracy"] >= 0.95
   assert summary["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
   assert summary["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
   assert len(summary["device_samples_per_s"]) == 8 and min(summary["device_samples_per_s"]) > 0
   assert [(r["step"], r["split"]) for r in read_metrics(work)] == [
-      (0, "test"), (100, "train"), (100, "test"), (200, "train"), (200, "test")]
+      (0, "test"), (80, "train"), (80, "test"), (160, "train"), (160, "test")]
 
 
-@pytest.mark.parametrize("algorithm", ["layup", "gosgd"])
+def test_local_sgd_across_two_processes_averages_as_one_process(tmp_path):
+  """Local SGD's periodic average as an all-reduce over both processes' devices: every loss of
+  2 processes x 4 devices equals the one-process 8-device run's (its local steps are the same,
+  its averages exact). The evaluations fall on period boundaries (tau 5, every 10 steps), where
+  every device has taken the same iterations whatever the threads' timing."""
+  settings = {"algorithm": "local_sgd", "model.widths": "(4,8,8)", "num_steps": 20,
+              "eval_every": 10, "baselines.tau": 5, "baselines.out_freq": 10,
+              "checkpoint.enabled": False, "progress_bar": False}
+  two = tmp_path / "two"
+  done = subprocess.run(_launcher(two, settings), cwd=ROOT, capture_output=True, text=True,
+                        timeout=600, check=False)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  config = base.get_config()
+  base.set_values(config, {**settings, "model.widths": (4, 8, 8)})
+  runner.run(config, tmp_path / "one")
+  across, one = _losses(two), _losses(tmp_path / "one")
+  assert [(s, k) for s, k, _ in across] == [(s, k) for s, k, _ in one] and len(one) == 5
+  for (_, _, a), (_, _, b) in zip(across, one, strict=True):
+    assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["layup", "adpsgd"])
 def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm):
   """Learning rate 0, every replica its own parameters, 2 processes x 4 devices with their
-  threads: gossip (a good share of it between the processes) moves the replicas toward their
-  average and must not move the average itself (tests/multiprocess_pushsum.py)."""
+  threads: gossip (a good share of it between the processes; AD-PSGD's pairwise averages too)
+  moves the replicas toward their average and must not move the average itself
+  (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.push`)."""
   port, script = free_port(), ROOT / "tests" / "multiprocess_pushsum.py"
   processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), algorithm,
                                  "150"], cwd=ROOT, env=environment(4), stdout=subprocess.PIPE,

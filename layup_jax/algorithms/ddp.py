@@ -138,6 +138,9 @@ class DDPRuntime:
     )
     self._step = self._step.lower(*avals, *args, self._key, iteration).compile()
     self._clock.compile()
+    # Every process here before the first step's all-reduce: gloo forms its context then and
+    # gives up after 30 s, less than a loaded host's compilation may differ by.
+    distributed.all_gather_json(None)
 
   def _check(self, step: int, loss: jax.Array, finite: jax.Array) -> None:
     """Reads one step's loss and gradient flags: records, skips or raises NonFiniteError."""

@@ -58,8 +58,11 @@ class ADPSGD(LocalStepsExchange):
     return self.peers.pick(i)
 
   def on_stage(self, i: int, peer: int | None, s: int, grads, step: jax.Array) -> None:
-    if peer is not None:
-      self.store.average_pair(i, peer, s)
+    remote = self.links.remote
+    if peer is not None and remote is not None and remote.is_remote(peer):
+      remote.average(i, peer, s, self.links.stopped)  # the peer's process corrects its side
+    elif peer is not None:
+      self.store.average_pair(i, peer - self.peers.first, s)
     self.store.local_step(i, s, grads, step)
 
   def end(self, i: int, peer: int | None) -> None:

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from layup_jax import collectives, optim
@@ -164,6 +165,8 @@ def sync_step(stacked_params, stacked_state, base, previous, anchor, outer_state
 class PeriodicAveraging(LocalStepsExchange):
   """Local steps, then exact global averages every `tau` iterations (see the module doc)."""
 
+  schedule_by_own_iteration = True  # every device's k-th local step at the schedule's step k
+
   def __init__(self, links: Links, *, tau: int, out_freq: int, outer: OuterStep | None,
                lag: int, learning_rate: Callable[[int], float] = lambda step: 1.0):
     super().__init__(links)
@@ -174,7 +177,8 @@ class PeriodicAveraging(LocalStepsExchange):
     store = self.store
     self.num_devices, self.num_stages = store.num_devices, store.num_stages
     self._mix_state = links.options.bn_policy == "mix"
-    self._mesh = collectives.DeviceMesh([r.device for r in store.replicas])
+    self._mesh = collectives.DeviceMesh([r.device for r in store.replicas], links.run_devices)
+    total = len(links.run_devices)  # the mean is over every process's devices
     self._sync = PeriodSync(self.num_devices, self._average, links.stopped)
     self._finished = [0] * self.num_devices  # iterations whose updates device i has applied
     self._applied = [0] * self.num_devices  # boundaries whose reset device i has applied
@@ -192,7 +196,7 @@ class PeriodicAveraging(LocalStepsExchange):
     out = (self._mesh.replicated,) * 4
     self._sync_steps = {
         outer_now: jax.jit(functools.partial(
-            sync_step, like_params=like[0], like_state=like[1], num_devices=self.num_devices,
+            sync_step, like_params=like[0], like_state=like[1], num_devices=total,
             outer=outer, outer_now=outer_now, lagged=bool(lag), mix_state=self._mix_state),
             out_shardings=out)
         for outer_now in (False, True)
@@ -201,8 +205,7 @@ class PeriodicAveraging(LocalStepsExchange):
   def _sync_arguments(self, params, state, period: int) -> tuple:
     base = self._global[max(period - 1 - self.lag, 0)]
     previous = self._global[period - 1]
-    learning_rate = jax.device_put(jnp.float32(self._learning_rate(period * self.tau - 1)),
-                                   self._mesh.replicated)
+    learning_rate = self._mesh.replicate(np.float32(self._learning_rate(period * self.tau - 1)))
     return (params, state, base, previous, self._anchor, self._outer_state, learning_rate)
 
   def compile(self) -> None:
@@ -329,8 +332,8 @@ class PeriodicAveraging(LocalStepsExchange):
     self._finished = list(finished) if same else [finished[0]] * count
     self._applied = list(meta["applied"]) if same else [meta["applied"][0]] * count
     replicas = self.store.replicas
-    self._anchor = jax.device_put(arrays["anchor"], self._mesh.replicated)
-    self._outer_state = jax.device_put(arrays["outer_state"], self._mesh.replicated)
+    self._anchor = self._mesh.replicate(arrays["anchor"])
+    self._outer_state = self._mesh.replicate(arrays["outer_state"])
     self._results = {
         p: ([jax.device_put(model["params"], r.device) for r in replicas],
             [jax.device_put(model["state"], r.device) for r in replicas] if self._mix_state
