@@ -48,13 +48,17 @@ class DelayProgram:
 
   def calibrate(self) -> None:
     """Measures the device time of one unit: the slope between runs of n and 2n units, n
-    doubled until a run takes `_CALIBRATION_S` (the call's fixed cost drops out)."""
+    doubled until a run takes `_CALIBRATION_S` (the call's fixed cost drops out), at least
+    half the 2n run's mean per unit."""
     self._time(1)  # compiles
     units = 16
     while self._time(units) < _CALIBRATION_S:
       units *= 2
-    slope = (self._time(2 * units) - self._time(units)) / units
-    self.seconds_per_unit = max(slope, 1e-9)
+    double = self._time(2 * units)
+    slope = (double - self._time(units)) / units
+    # On a loaded host the difference can come out near zero or negative: then a delay of
+    # seconds would become millions of units. The mean per unit of the longer run bounds it.
+    self.seconds_per_unit = max(slope, 0.5 * double / (2 * units))
 
   def __call__(self, seconds: float) -> jax.Array:
     """Dispatches about `seconds` of work on the device; the result is ready when it is done."""
@@ -62,6 +66,12 @@ class DelayProgram:
       self.calibrate()
     units = max(1, round(seconds / self.seconds_per_unit))
     return self._busy(self._x, np.int32(units))
+
+  def drain(self) -> None:
+    """Returns once the device has run everything dispatched to it before this call: a device
+    runs its programs in dispatch order, so a one-unit program's result marks the queue's end
+    (an iteration's own outputs cannot: later steps donate them)."""
+    self._busy(self._x, np.int32(1)).block_until_ready()
 
 
 class IterationClock:
@@ -75,7 +85,11 @@ class IterationClock:
   programs while the host may still be dispatching, so the iteration's own time cannot be
   told apart from the delay's. The other iterations each get a delay program of
   `delay_iters * mean * MEASURE_EVERY / (MEASURE_EVERY - 1)`, the same delay per iteration on
-  average, and are not waited for. Clocks without delay never wait.
+  average, and are not waited for. A measured iteration starts only once the device has run
+  everything dispatched to it before (`DelayProgram.drain`): else its time would include the
+  queued delays of earlier iterations, the mean would grow with the delay and the delay with
+  the mean (without this wait a device-mode straggler was slowed about twice as much as asked
+  in training runs, and without bound in tests/test_straggler.py). Clocks without delay never wait.
   """
 
   MEASURE_EVERY = 4
@@ -106,7 +120,9 @@ class IterationClock:
     self._measured = self.delay_iters > 0
     if self._program is not None:
       self._measured = self._iterations % self.MEASURE_EVERY == 0
-      if not self._measured and delay > 0:
+      if self._measured:
+        self._program.drain()  # the device idle: only this iteration is timed
+      elif delay > 0:
         self._program(delay * self.MEASURE_EVERY / (self.MEASURE_EVERY - 1))
     elif delay > 0:
       idle(delay)
