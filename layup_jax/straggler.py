@@ -88,8 +88,10 @@ class IterationClock:
   average, and are not waited for. A measured iteration starts only once the device has run
   everything dispatched to it before (`DelayProgram.drain`): else its time would include the
   queued delays of earlier iterations, the mean would grow with the delay and the delay with
-  the mean (without this wait a device-mode straggler was slowed about twice as much as asked
-  in training runs, and without bound in tests/test_straggler.py). Clocks without delay never wait.
+  the mean (without bound in tests/test_straggler.py; in training runs the dispatch-ahead limit
+  bounds it). On a CPU the delay program, calibrated while the other fake devices idle, also
+  runs slower while they compute on the same cores (3.8x measured), so a device-side straggler
+  there is still slowed more than asked; on a GPU the program has its device to itself. Clocks without delay never wait.
   """
 
   MEASURE_EVERY = 4
