@@ -137,13 +137,18 @@ class RemotePeers:
                           amount: float, average: bool = False) -> int:
     """Offers `part` under a fresh uuid, then writes notice number `notice` to `process`;
     returns the uuid."""
-    uuid = (self._me << 48) | next(self._uuids)
     offered_at = time.time()
-    self._server.await_pull(uuid, jax.tree.leaves(part))
+    uuid = self._offer(part)
     self._client.key_value_set(
         self._notice_key(process, self._me, notice),
         json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount,
                     "offered_at": offered_at, "average": average}))
+    return uuid
+
+  def _offer(self, part: PyTree) -> int:
+    """Offers `part` (computed) to one pull under a fresh uuid; returns the uuid."""
+    uuid = (self._me << 48) | next(self._uuids)
+    self._server.await_pull(uuid, jax.tree.leaves(part))
     return uuid
 
   def sends(self) -> int:
@@ -249,8 +254,7 @@ class RemotePeers:
     requester's and corrects its own toward the average."""
     j, s = notice["peer"] - self._first, notice["stage"]
     theirs = jax.block_until_ready(self._read(j, s))
-    uuid = (self._me << 48) | next(self._uuids)
-    self._server.await_pull(uuid, jax.tree.leaves(theirs))
+    uuid = self._offer(theirs)
     self._client.key_value_set(f"layup_jax/gossip-reply/{source}/{notice['uuid']}", str(uuid))
     self._correct(j, s, theirs, self._pull(source, notice["uuid"], j, s))
     self.latencies.append(time.time() - notice["offered_at"])
