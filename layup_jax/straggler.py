@@ -6,14 +6,16 @@
   device: before its iterations the compute thread dispatches a program that keeps the device
           busy for `delay_iters` x its mean iteration time, and goes on dispatching. The device
           is slow (thermal throttling, a GPU shared with another job) while its host thread is
-          not (`IterationClock` says how the iteration time is measured). A device runs its programs in the order they were dispatched, so the straggler's
-          own iteration waits for the delay program; any other device that is handed work
-          depending on the straggler's unfinished programs waits too, which is what this mode
-          exposes.
+          not (`IterationClock` says how the iteration time is measured). A device runs
+          its programs in the order they were dispatched, so the straggler's own iteration
+          waits for the delay program; any other device that is handed work depending on the
+          straggler's unfinished programs waits too, which is what this mode exposes.
 On a CPU the fake devices share the host's cores, so the delay program also takes a core from
 the other devices; on a GPU it occupies only the straggler.
 """
 
+import collections
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +42,7 @@ class DelayProgram:
     self._x = jax.device_put(np.full((_BUSY_SIZE, _BUSY_SIZE), 0.01, np.float32), device)
     self._busy = jax.jit(_busy)
     self.seconds_per_unit: float | None = None
+    self.units_dispatched = 0  # by `__call__`, for a clock that re-measures the unit's time
 
   def _time(self, units: int) -> float:
     start = time.perf_counter()
@@ -65,6 +68,7 @@ class DelayProgram:
     if self.seconds_per_unit is None:
       self.calibrate()
     units = max(1, round(seconds / self.seconds_per_unit))
+    self.units_dispatched += units
     return self._busy(self._x, np.int32(units))
 
   def drain(self) -> None:
@@ -75,26 +79,34 @@ class DelayProgram:
 
 
 class IterationClock:
-  """Measures a straggler's iteration time and slows it by `delay_iters` times its mean.
+  """Measures a straggler's iteration time and slows it by `delay_iters` times that time.
 
-  The time of an iteration runs from its start to its last outputs being computed: the clock
-  waits for them, since with asynchronous dispatch the time (and with it the delay) would
-  otherwise shrink towards the dispatch time alone. Host mode measures every iteration and
-  idles before each. Device mode measures only iterations that carry no delay, one in
-  `MEASURE_EVERY`: where a delay program runs, the device finishes it and the iteration's
-  programs while the host may still be dispatching, so the iteration's own time cannot be
-  told apart from the delay's. The other iterations each get a delay program of
-  `delay_iters * mean * MEASURE_EVERY / (MEASURE_EVERY - 1)`, the same delay per iteration on
-  average, and are not waited for. A measured iteration starts only once the device has run
-  everything dispatched to it before (`DelayProgram.drain`): else its time would include the
-  queued delays of earlier iterations, the mean would grow with the delay and the delay with
-  the mean (without bound in tests/test_straggler.py; in training runs the dispatch-ahead limit
-  bounds it). On a CPU the delay program, calibrated while the other fake devices idle, also
-  runs slower while they compute on the same cores (3.8x measured), so a device-side straggler
-  there is still slowed more than asked; on a GPU the program has its device to itself. Clocks without delay never wait.
+  Host mode measures every iteration, from its start to its last outputs being computed (the
+  clock waits for them: with asynchronous dispatch the time, and the delay with it, would
+  otherwise shrink towards the dispatch time alone), and idles the mean before each.
+
+  Device mode cannot wait on every iteration: that would stall the host, and the device would
+  no longer be the slow part. Its iteration time is its pipelined period: after `WARMUP`
+  iterations, `WINDOW` iterations run without delay from an idle device
+  (`DelayProgram.drain`) to the last one's outputs, dispatched as usual, and their time over
+  `WINDOW` is the mean (timing one iteration from an idle device gave its latency, host
+  dispatch and device work in series: 1.8x the period of DDP's step on the digits, which
+  over-delayed it). Then, in every cycle of `MEASURE_EVERY` iterations, all but the first get
+  a delay program of `delay_iters * mean * MEASURE_EVERY / (MEASURE_EVERY - 1)`, and the first
+  starts from an idle device. The delay program's time per unit is calibrated while the other
+  devices idle; on a CPU, where fake devices share the host's cores, it ran 3.8x slower while
+  they computed. So each cycle re-measures it: the cycle's time less `MEASURE_EVERY` means is
+  what its delay programs took (the drain waited for them), and the median of the last
+  `_OBSERVATIONS` such times per unit, kept within [1/4, 16] x the calibration, replaces it.
+  This holds a cycle near `(1 + delay_iters)` periods whatever the load (the drain's break of
+  the pipeline included); the median drops a cycle stretched by something else (an
+  evaluation). Clocks without delay never wait.
   """
 
   MEASURE_EVERY = 4
+  WARMUP = 4
+  WINDOW = 8
+  _OBSERVATIONS = 5
 
   def __init__(self, delay_iters: float = 0.0, mode: str = "host",
                device: jax.Device | None = None):
@@ -105,8 +117,13 @@ class IterationClock:
     self.delay_iters, self.mode = delay_iters, mode
     self._program = DelayProgram(device) if mode == "device" and delay_iters > 0 else None
     self._start = 0.0
-    self._measured = False  # whether the iteration under way is timed
+    self._measured = False  # whether the iteration under way ends a timed span
     self._total, self._count, self._iterations = 0.0, 0, 0
+    self._window_first: int | None = None  # the timed window's first iteration (device mode)
+    self._cycle_start: float | None = None  # the last cycle's start (device mode)
+    self._cycle_units = 0  # the delay program's units dispatched before it
+    self._calibrated: float | None = None
+    self._unit_times: collections.deque = collections.deque(maxlen=self._OBSERVATIONS)
 
   def compile(self) -> None:
     """Compiles and calibrates the delay program (device mode), outside the timed loop."""
@@ -118,26 +135,53 @@ class IterationClock:
 
   def start_iteration(self, idle: Callable[[float], Any] = time.sleep) -> None:
     """Slows the straggler (idling, or dispatching the delay program) and marks the start."""
-    delay = self.delay_iters * self.mean()
-    self._measured = self.delay_iters > 0
     if self._program is not None:
-      self._measured = self._iterations % self.MEASURE_EVERY == 0
-      if self._measured:
-        self._program.drain()  # the device idle: only this iteration is timed
-      elif delay > 0:
-        self._program(delay * self.MEASURE_EVERY / (self.MEASURE_EVERY - 1))
-    elif delay > 0:
-      idle(delay)
+      self._start_on_device(self._iterations)
+    else:
+      self._measured = self.delay_iters > 0
+      if self._measured and self._count:
+        idle(self.delay_iters * self.mean())
+      self._start = time.perf_counter()
     self._iterations += 1
-    self._start = time.perf_counter()
+
+  def _start_on_device(self, n: int) -> None:
+    self._measured = False
+    if not self._count:  # the mean is not known yet: no delay
+      if self._window_first is None and n >= self.WARMUP:  # the timed window begins
+        self._program.drain()
+        self._window_first, self._start = n, time.perf_counter()
+      self._measured = self._window_first is not None and n == self._window_first + self.WINDOW - 1
+    elif n % self.MEASURE_EVERY == 0:
+      self._program.drain()
+      self._remeasure_unit(time.perf_counter())
+    else:
+      self._program(self.delay_iters * self.mean() * self.MEASURE_EVERY
+                    / (self.MEASURE_EVERY - 1))
+
+  def _remeasure_unit(self, now: float) -> None:
+    """Sets the delay program's time per unit from the cycle that ends at `now` (after a
+    drain): its time less its iterations' own is what its delay programs took."""
+    program = self._program
+    units = program.units_dispatched - self._cycle_units
+    if self._cycle_start is not None and units > 0:
+      if self._calibrated is None:
+        self._calibrated = program.seconds_per_unit
+      delay = (now - self._cycle_start) - self.MEASURE_EVERY * self.mean()
+      per_unit = min(max(delay / units, self._calibrated / 4), 16 * self._calibrated)
+      self._unit_times.append(per_unit)
+      program.seconds_per_unit = statistics.median(self._unit_times)
+    self._cycle_start, self._cycle_units = now, program.units_dispatched
 
   def end_iteration(self, last_outputs: Any) -> None:
     """Marks the end of an iteration whose work ends with `last_outputs`."""
     if not self._measured:
       return
     jax.block_until_ready(last_outputs)
-    self._total += time.perf_counter() - self._start
-    self._count += 1
+    if self._program is not None:  # the window's end: its time over its iterations
+      self._total, self._count = time.perf_counter() - self._start, self.WINDOW
+    else:
+      self._total += time.perf_counter() - self._start
+      self._count += 1
 
   def get_state(self) -> list[float]:
     return [self._total, self._count, self._iterations]

@@ -71,12 +71,12 @@ main() {
 }
 
 stragglers() {
-  # Device 0 delayed by 1, 2, 4 iterations' time, on the host and on the device; 2 epochs (a
+X
   # delayed DDP run takes 1 + delay times as long), with their own no-straggler runs.
   for mode in host device; do
     python scripts/sweep.py --config configs/fashion_mnist.py \
         --workdir $SWEEPS/fashion_mnist_stragglers --algorithms ${METHODS:-layup ddp gosgd slowmo} --seeds 0 \
-        --delays 0 1 2 4 --straggler-mode $mode --set num_epochs=2
+        --delays 0 1 2 4 --straggler-mode $mode --set num_epochs=1
   done
 }
 

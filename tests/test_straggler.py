@@ -14,18 +14,60 @@ def _seconds(run) -> float:
   return time.perf_counter() - start
 
 
-def test_a_device_side_stragglers_measured_iteration_is_its_own_not_the_queued_delays():
-  """Device mode dispatches delay programs without waiting; the iterations it measures must
-  not include the delays still queued on the device before them, else the mean grows with the
-  delay and the delay with the mean (it reached hundreds of times the iteration's time)."""
+def _cycle_slowdown(clock, iteration, own: float, cycles: int = 12) -> float:
+  """Runs `cycles` cycles of the clock's iterations; the median time of the last four cycles
+  over `MEASURE_EVERY` iterations of `own` seconds."""
+  starts = []
+  for n in range(cycles * clock.MEASURE_EVERY):
+    clock.start_iteration()
+    if n % clock.MEASURE_EVERY == 0:
+      starts.append(time.perf_counter())
+    clock.end_iteration(iteration())
+  return statistics.median(b - a for a, b in zip(starts[-5:], starts[-4:])) / (
+      clock.MEASURE_EVERY * own)
+
+
+def test_a_device_side_stragglers_iteration_time_is_its_period_not_its_latency():
+  """An iteration whose host dispatch takes 0.9 x its device work: one iteration from an idle
+  device takes both in series (its latency), while iterations dispatched back to back come one
+  device-time apart (their period). A straggler slowed by `delay` x its latency would run at
+  1 + 1.9 x delay periods per iteration; asked is 1 + delay."""
+  device = jax.devices()[0]
+  work = straggler.DelayProgram(device)
+  work.calibrate()
+  period = statistics.median(_seconds(lambda: work(0.01)) for _ in range(5))
+
+  def iteration():
+    time.sleep(0.9 * period)  # the host's dispatch
+    return work(0.01)
+
+  delay = 2.0
+  clock = straggler.IterationClock(delay, "device", device)
+  clock.compile()
+  slowdown = _cycle_slowdown(clock, iteration, period)
+  assert 0.7 * period < clock.mean() < 1.5 * period, (clock.mean(), period)
+  assert 0.75 * (1 + delay) < slowdown < 1.25 * (1 + delay), (slowdown, period)
+
+
+def test_a_device_side_straggler_is_slowed_as_asked_when_its_delay_program_runs_slower_than_calibrated(
+    monkeypatch):
+  """On a CPU the delay program is calibrated while the other fake devices idle and then runs
+  several times slower beside them (3.8x measured). Here the calibration says 4x too fast: the
+  clock's re-measurement must still bring a cycle of iterations to (1 + delay) x its own time,
+  where trusting the calibration gives about (1 + 4 x delay) x."""
+  calibrate = straggler.DelayProgram.calibrate
+
+  def four_times_too_fast(program):
+    calibrate(program)
+    program.seconds_per_unit /= 4
+
   device = jax.devices()[0]
   iteration = straggler.DelayProgram(device)
   iteration.calibrate()
-  alone = statistics.median(_seconds(lambda: iteration(0.01)) for _ in range(5))
-  clock = straggler.IterationClock(2.0, "device", device)
+  own = statistics.median(_seconds(lambda: iteration(0.01)) for _ in range(5))
+  monkeypatch.setattr(straggler.DelayProgram, "calibrate", four_times_too_fast)
+  delay = 2.0
+  clock = straggler.IterationClock(delay, "device", device)
   clock.compile()
-  for _ in range(3 * clock.MEASURE_EVERY):
-    clock.start_iteration()
-    clock.end_iteration(iteration(0.01))
-  assert clock.mean() > 0
-  assert clock.mean() < 3 * alone, (clock.mean(), alone)
+  slowdown = _cycle_slowdown(clock, lambda: iteration(0.01), own)
+  assert 0.7 * (1 + delay) < slowdown < 1.4 * (1 + delay), (slowdown, own)
