@@ -290,5 +290,13 @@ class RemotePeers:
 
 
 def host_tree(tree: PyTree) -> PyTree:
-  """NumPy copies of a tree's arrays (to gather across processes)."""
-  return jax.tree.map(np.asarray, jax.device_get(tree))
+  """NumPy copies of a tree's arrays (to gather across processes); an array replicated over
+  every process's devices gives this process's copy."""
+  def host(leaf):
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      if not leaf.sharding.is_fully_replicated:
+        raise ValueError(f"a {leaf.shape} array split across processes has no one host copy")
+      leaf = leaf.addressable_data(0)
+    return np.asarray(jax.device_get(leaf))
+
+  return jax.tree.map(host, tree)

@@ -121,9 +121,6 @@ def check_supported(config: ml_collections.ConfigDict) -> None:
                       f"{list(MULTI_PROCESS_ALGORITHMS)} run so far; run it in one process")
   if config.straggler.device >= 0:
     raise ConfigError("config.straggler.device: no straggler injection across processes yet")
-  if config.algorithm in PERIODIC_ALGORITHMS and config.checkpoint.enabled:
-    raise ConfigError(f"config.checkpoint.enabled: checkpoints of a {config.algorithm} run across "
-                      f"processes are not built yet; set --config.checkpoint.enabled=False")
   if config.algorithm in GOSSIP_ALGORITHMS and config.layup.push_sum != "per_stage":
     raise ConfigError("config.layup.push_sum: across processes only per_stage push-sum runs "
                       "(a per-model weight would have to follow the last stage to the peer)")

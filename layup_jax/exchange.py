@@ -99,10 +99,18 @@ class Exchange(Protocol):
   steps between averages, as each rank of their reference implementations counts its own),
   instead of the run's global step when the iteration starts (the gossip algorithms, where a
   fast device takes more iterations than a slow one and the schedule follows the samples seen).
+
+  `equal_shares`: every device takes the same number of the run's iterations (the periodic
+  baselines, as every rank of their reference implementations runs the same steps). Without
+  it a fast device takes more, which gossip wants; under CO2's one-period lag it let a device
+  run up to a period ahead, so an evaluation or checkpoint fell at iterations that differed
+  between devices from run to run (a record's loss moved by 0.2 %), and across processes one
+  process could start a period's all-reduce that another had not reached at a checkpoint.
   """
 
   fuses_local_step: bool
   schedule_by_own_iteration: bool
+  equal_shares: bool
 
   def begin(self, i: int) -> Any: ...
 
@@ -121,12 +129,24 @@ class Exchange(Protocol):
   def compile(self) -> None:
     """Compiles the exchange's own functions (beyond the store's), on every device."""
 
+  def settle(self) -> None:
+    """Called at a consistent point (every thread idle between iterations): finishes what a
+    compute thread would do before its next iteration, so the replicas are what they would
+    be then whatever the timing (CO2's reset to the ready average)."""
+
   def state_dict(self) -> tuple[dict, dict]:
     """(device arrays, JSON-able metadata) of the exchange's own state."""
 
   def restore_template(self, meta: dict) -> dict: ...
 
   def load_state_dict(self, arrays: dict, meta: dict, saved_devices: int) -> None: ...
+
+  def whole_run_state(self, parts: list[tuple[dict, dict, int]]) -> tuple[dict, dict]:
+    """Across processes: the whole run's exchange state from every process's `state_dict`
+    (host copies) and its first device, in process order (one checkpoint holds all)."""
+
+  def own_part(self, arrays: dict, meta: dict, first: int, count: int) -> tuple[dict, dict]:
+    """`whole_run_state`'s inverse for the devices `first .. first + count - 1`."""
 
 
 class StatelessExchange:
@@ -135,6 +155,7 @@ class StatelessExchange:
 
   fuses_local_step = False
   schedule_by_own_iteration = False
+  equal_shares = False
 
   def __init__(self, links: Links):
     self.links, self.store, self.peers = links, links.store, links.peers
@@ -148,6 +169,9 @@ class StatelessExchange:
   def compile(self) -> None:
     pass
 
+  def settle(self) -> None:
+    pass
+
   def state_dict(self) -> tuple[dict, dict]:
     return {}, {}
 
@@ -156,6 +180,12 @@ class StatelessExchange:
 
   def load_state_dict(self, arrays: dict, meta: dict, saved_devices: int) -> None:
     pass
+
+  def whole_run_state(self, parts: list[tuple[dict, dict, int]]) -> tuple[dict, dict]:
+    return parts[0][0], parts[0][1]
+
+  def own_part(self, arrays: dict, meta: dict, first: int, count: int) -> tuple[dict, dict]:
+    return arrays, meta
 
 
 class LocalStepsExchange(StatelessExchange):

@@ -71,6 +71,9 @@ class _Stopped(Exception):
   """Raised inside a thread blocked on a queue or a period when the runtime stops."""
 
 
+_OWN_ARRAYS = ("replicas", "stage_keys")  # the runtime's checkpoint arrays; the others: exchange
+
+
 class Budget:
   """Iterations the compute threads may start, how many their updaters have finished and of how
   many the compute threads have recorded the loss.
@@ -80,23 +83,30 @@ class Budget:
   point. An iteration's index (how many started before it) gives the run's global step.
   """
 
-  def __init__(self):
+  def __init__(self, num_devices: int = 1):
     self._cond = threading.Condition()
     self.granted = self.started = self.finished = self.recorded = 0
     self._closed = False
+    self._num_devices = num_devices
 
-  def try_acquire(self) -> int | None:
-    """Starts an iteration if one is granted now; returns its index."""
+  def _may_start(self, own: int | None) -> bool:
+    """Whether an iteration is granted to a device that has taken `own` (None: any device may
+    take any granted iteration; else each takes its equal share, `granted / num_devices`)."""
+    return self.started < self.granted and (own is None
+                                            or own < self.granted // self._num_devices)
+
+  def try_acquire(self, own: int | None = None) -> int | None:
+    """Starts an iteration if one is granted now (`_may_start`); returns its index."""
     with self._cond:
-      if self.started < self.granted and not self._closed:
+      if self._may_start(own) and not self._closed:
         self.started += 1
         return self.started - 1
       return None
 
-  def acquire(self) -> int | None:
+  def acquire(self, own: int | None = None) -> int | None:
     """Waits for a granted iteration and starts it; None once closed."""
     with self._cond:
-      while self.started >= self.granted and not self._closed:
+      while not self._may_start(own) and not self._closed:
         self._cond.wait(_POLL_S)
       if self._closed:
         return None
@@ -278,7 +288,7 @@ class AsyncRuntime:
     self._position: dict[tuple[str, int], int | None] = {}
     self._grad_queues = [queue.Queue(maxsize=self.num_stages * options.max_dispatch_ahead)
                          for _ in devices]
-    self._budget = Budget()
+    self._budget = Budget(self.num_devices)
     self._failures: list[tuple[str, int, int | None, BaseException]] = []
     self._threads: list[threading.Thread] = []
 
@@ -443,10 +453,11 @@ class AsyncRuntime:
       if self.exchange.may_wait_before_iteration(i):  # for other devices: read every loss first
         self._record_losses(i, pending, keep=0)
       self.exchange.before_iteration(i, wait=True)
-      index = self._budget.try_acquire()
+      own = self.store.replicas[i].iteration if self.exchange.equal_shares else None
+      index = self._budget.try_acquire(own)
       if index is None:
         self._record_losses(i, pending, keep=0)  # nothing to dispatch now: read every loss
-        index = self._budget.acquire()
+        index = self._budget.acquire(own)
         if index is None:
           return
       clock.start_iteration(idle=self._stop.wait)
@@ -574,6 +585,7 @@ class AsyncRuntime:
       distributed.all_gather_json(None)
       self._raise_if_failed()
     self._landings_recorded()
+    self.exchange.settle()
     self.store.settle()
     on_progress(self._budget.finished)
 
@@ -722,16 +734,18 @@ class AsyncRuntime:
   _PER_DEVICE_META = ("iterations", "weights", "peer_rngs", "clocks", "losses", "skipped")
 
   def _whole_run_state(self, arrays: PyTree, meta: dict[str, Any]) -> tuple[PyTree, dict]:
-    """Across processes: every process's replicas (host copies) and metadata in one state,
-    the same on every process, which process 0 writes as one checkpoint (a collective, at a
-    consistent point). Host copies, not global arrays: Orbax writes a host array once, from
-    process 0, as it writes DDP's replicated one."""
-    if arrays.keys() != {"replicas", "stage_keys"}:
-      raise ConfigError("this algorithm's own state cannot be checkpointed across processes")
+    """Across processes: every process's replicas (host copies), exchange state and metadata
+    in one state, the same on every process, which process 0 writes as one checkpoint (a
+    collective, at a consistent point). Host copies, not global arrays: Orbax writes a host
+    array once, from process 0, as it writes DDP's replicated one."""
     parts = distributed.all_gather_pickled({"arrays": crossprocess.host_tree(arrays),
-                                            "meta": meta})
-    whole = {key: [x for part in parts for x in part["arrays"][key]] for key in arrays}
-    whole_meta = {**meta, "num_devices": self.total_devices,
+                                            "meta": meta, "first": self.first})
+    whole = {key: [x for part in parts for x in part["arrays"][key]] for key in _OWN_ARRAYS}
+    exchange_arrays, exchange_meta = self.exchange.whole_run_state(
+        [({key: value for key, value in part["arrays"].items() if key not in _OWN_ARRAYS},
+          part["meta"]["exchange"], part["first"]) for part in parts])
+    whole.update(exchange_arrays)
+    whole_meta = {**meta, "num_devices": self.total_devices, "exchange": exchange_meta,
                   "iterations_done": sum(part["meta"]["iterations_done"] for part in parts)}
     for key in self._PER_DEVICE_META:
       whole_meta[key] = [x for part in parts for x in part["meta"][key]]
@@ -743,8 +757,12 @@ class AsyncRuntime:
       raise ConfigError(f"this checkpoint holds {meta['num_devices']} devices' replicas; across "
                         f"processes a run resumes on as many ({self.total_devices} here)")
     own = slice(self.first, self.first + self.num_devices)
-    part = {key: arrays[key][own] for key in ("replicas", "stage_keys")}
-    part_meta = {**meta, "num_devices": self.num_devices,
+    part = {key: arrays[key][own] for key in _OWN_ARRAYS}
+    exchange_arrays, exchange_meta = self.exchange.own_part(
+        {key: value for key, value in arrays.items() if key not in _OWN_ARRAYS},
+        meta["exchange"], self.first, self.num_devices)
+    part.update(exchange_arrays)
+    part_meta = {**meta, "num_devices": self.num_devices, "exchange": exchange_meta,
                  "iterations_done": meta["iterations_done"] // self.total_devices
                  * self.num_devices}
     for key in self._PER_DEVICE_META:

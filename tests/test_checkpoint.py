@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from layup_jax import checkpointing, pushsum, remap, runner
+from layup_jax.algorithms import periodic
 from layup_jax.algorithms.periodic import CO2Outer, make_exchange
 from layup_jax.checkpointing import Checkpoints
 from layup_jax.data.pipeline import Batch
@@ -166,6 +167,48 @@ def test_co2_resumed_mid_period_continues_exactly(tmp_path):
     original.iterate_serial(i)
     fresh.iterate_serial(i)
   _assert_trees_equal(_host(fresh.state_dict()[0]), _host(original.state_dict()[0]))
+
+
+@pytest.mark.parametrize("algorithm", ["slowmo", "co2"])
+def test_a_periodic_run_resumed_after_several_periods_records_the_uninterrupted_losses(
+    algorithm, tiny_config, tmp_path):
+  """Resumed from step 10 (period 5 of 2 steps; 3 and 1 a step into period 3 under CO2's lag),
+  the run records what the uninterrupted one recorded after it. A resumed runtime holds only
+  its latest periods' results: compiling must not need period 0's (it did, a KeyError)."""
+  tiny_config.algorithm, tiny_config.num_devices, tiny_config.num_steps = algorithm, 4, 16
+  tiny_config.eval_every, tiny_config.checkpoint.every = 8, 10
+  tiny_config.baselines.tau, tiny_config.baselines.out_freq = 2, 4
+  runner.run(tiny_config, tmp_path / "whole")
+  tiny_config.restore = str(tmp_path / "whole" / "checkpoints" / "10")
+  summary = runner.run(tiny_config, tmp_path / "resumed")
+  assert summary["resumed_from_step"] == 10
+  after = [(r["step"], r["split"], r["loss"]) for r in read_metrics(tmp_path / "whole")
+           if r["step"] > 10]
+  again = [(r["step"], r["split"], r["loss"]) for r in read_metrics(tmp_path / "resumed")]
+  assert [r[:2] for r in again] == [r[:2] for r in after] == [(16, "train"), (16, "test")]
+  for (_, _, a), (_, _, b) in zip(again, after, strict=True):
+    assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_a_periodic_checkpoint_across_processes_splits_into_each_process_part_and_back():
+  """Across processes each process holds its devices' contributions to a pending average; one
+  checkpoint holds the whole run's, and each process takes back exactly its own."""
+  runtime = _co2()
+  for i in [0, 1, 0, 1, 0, 1, 2, 3]:  # devices 0 and 1 contributed to boundary 1, 2 and 3 not
+    runtime.iterate_serial(i)
+  arrays, meta = runtime.exchange.state_dict()
+  assert [k for _, k in meta["contribution_slots"]] == [0, 1]
+  parts = [(*periodic.process_state(arrays, meta, first, 2), first) for first in (0, 2)]
+  assert [len(a["contributions"]) for a, _, _ in parts] == [2, 0]
+  assert parts[0][1]["finished"] == meta["finished"][:2]
+  assert parts[1][1]["finished"] == meta["finished"][2:] and parts[1][1]["applied"] == meta[
+      "applied"][2:]
+  joined_arrays, joined_meta = periodic.join_process_states(parts)
+  assert joined_meta == meta
+  _assert_trees_equal(_host(joined_arrays), _host(arrays))
+  behind = (parts[1][0], {**parts[1][1], "periods_done": meta["periods_done"] - 1}, 2)
+  with pytest.raises(RuntimeError, match="different periods"):
+    periodic.join_process_states([parts[0], behind])
 
 
 def test_partial_and_truncated_checkpoints_fall_back_to_the_previous_one(tmp_path, caplog):

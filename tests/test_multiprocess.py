@@ -186,6 +186,35 @@ def test_local_sgd_across_two_processes_averages_as_one_process(tmp_path):
     assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
 
 
+def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tmp_path):
+  """Every process's devices, their pending contributions and the replicated anchor and slow
+  momentum go into one checkpoint (step 10, inside a period of 4): resumed from it in 2
+  processes x 4 devices, or in one process with 8, the run records the uninterrupted run's
+  losses (evaluations on period boundaries, every 12 steps)."""
+  settings = {"algorithm": "slowmo", "model.widths": "(4,8,8)", "num_steps": 24,
+              "eval_every": 12, "checkpoint.every": 10, "baselines.tau": 4,
+              "baselines.out_freq": 8, "progress_bar": False}
+  whole = tmp_path / "whole"
+  checkpoint = whole / "checkpoints" / "10"
+  resumed = {"two": tmp_path / "two", "one": tmp_path / "one"}
+  for workdir, extra in [(whole, {}), (resumed["two"], {"restore": checkpoint})]:
+    done = subprocess.run(_launcher(workdir, {**settings, **extra}), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  config = base.get_config()
+  base.set_values(config, {**settings, "model.widths": (4, 8, 8), "restore": str(checkpoint)})
+  runner.run(config, resumed["one"])
+  uninterrupted = [r for r in _losses(whole) if r[0] > 10]
+  assert [(s, k) for s, k, _ in uninterrupted] == [(12, "train"), (12, "test"), (24, "train"),
+                                                   (24, "test")]
+  for name, workdir in resumed.items():
+    assert json.loads((workdir / "summary.json").read_text())["resumed_from_step"] == 10, name
+    again = _losses(workdir)
+    assert [(s, k) for s, k, _ in again] == [(s, k) for s, k, _ in uninterrupted], name
+    for (_, _, a), (_, _, b) in zip(again, uninterrupted, strict=True):
+      assert a == pytest.approx(b, rel=1e-5, abs=1e-6), name
+
+
 @pytest.mark.parametrize("algorithm", ["layup", "adpsgd"])
 def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm):
   """Learning rate 0, every replica its own parameters, 2 processes x 4 devices with their

@@ -166,6 +166,8 @@ class PeriodicAveraging(LocalStepsExchange):
   """Local steps, then exact global averages every `tau` iterations (see the module doc)."""
 
   schedule_by_own_iteration = True  # every device's k-th local step at the schedule's step k
+  equal_shares = True  # every device takes the run's iterations / devices (a CO2 record or
+                      # checkpoint then falls at the same iterations whatever the timing)
 
   def __init__(self, links: Links, *, tau: int, out_freq: int, outer: OuterStep | None,
                lag: int, learning_rate: Callable[[int], float] = lambda step: 1.0):
@@ -209,11 +211,15 @@ class PeriodicAveraging(LocalStepsExchange):
     return (params, state, base, previous, self._anchor, self._outer_state, learning_rate)
 
   def compile(self) -> None:
+    """Runs both sync steps once on stand-in arguments of the right shapes and placements
+    (the anchor for every model R_p: a resumed run holds only its latest periods' results)."""
     replicas = self.store.replicas
     params = self._mesh.stack([list(r.params) for r in replicas])
     state = self._mesh.stack([list(r.state) for r in replicas])
+    learning_rate = self._mesh.replicate(np.float32(1.0))
     for step in self._sync_steps.values():
-      jax.block_until_ready(step(*self._sync_arguments(params, state, 1)))
+      jax.block_until_ready(step(params, state, self._anchor, self._anchor, self._anchor,
+                                 self._outer_state, learning_rate))
 
   # --- the period boundary ----------------------------------------------------------------------
 
@@ -255,6 +261,18 @@ class PeriodicAveraging(LocalStepsExchange):
         self._reset(i, boundary, boundary - self.lag)
     self._finished[i] = finished  # after the reset: the compute thread may now reset instead
     self._sync.notify()
+
+  def settle(self) -> None:
+    """A device that contributed at a boundary before the average it continues from was
+    ready (CO2) takes it now rather than at its next iteration: at a consistent point every
+    device has reached the boundary, so the average is ready, and the snapshot (an evaluation,
+    a checkpoint) holds it whatever the timing."""
+    for k in range(self.num_devices):
+      finished = self._finished[k]
+      boundary = finished // self.tau
+      pending = finished and finished % self.tau == 0 and self._applied[k] < boundary
+      if pending and self._sync.done >= boundary - self.lag:
+        self._reset(k, boundary, boundary - self.lag)
 
   def may_wait_before_iteration(self, i: int) -> bool:
     k = self.store.replicas[i].iteration
@@ -315,8 +333,11 @@ class PeriodicAveraging(LocalStepsExchange):
     model = self._model_arrays(replicas[0].params, replicas[0].state)
     result = self._model_arrays(replicas[0].params, replicas[0].state if self._mix_state
                                 else None)
+    # The anchor and outer state come back on one device and are replicated from there (a
+    # replicated sharding may span other processes' devices, which this one cannot read).
+    first_device = jax.sharding.SingleDeviceSharding(replicas[0].device)
     like = lambda tree: jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=first_device), tree)
     return {
         "anchor": like(self._anchor), "outer_state": like(self._outer_state),
         "results": device_arrays_like(result, lambda j: replicas[0].device,
@@ -348,6 +369,46 @@ class PeriodicAveraging(LocalStepsExchange):
     self._sync.restore(meta["periods_done"],
                        {p: sum(m is not None for m in models)
                         for p, models in self._contributions.items()})
+
+
+  # --- across processes: one checkpoint of the whole run ----------------------------------------
+
+  def whole_run_state(self, parts):
+    return join_process_states(parts)
+
+  def own_part(self, arrays, meta, first: int, count: int):
+    return process_state(arrays, meta, first, count)
+
+
+_PER_DEVICE = ("finished", "applied")  # the per-device entries of the exchange's metadata
+
+
+def join_process_states(parts: list[tuple[dict, dict, int]]) -> tuple[dict, dict]:
+  """One checkpoint state of a run across processes from each process's `state_dict` and first
+  device. At a checkpoint every device of every process has taken the same iterations (the
+  runner stops all processes at the same step; `equal_shares`), so every process has run the
+  same periods' all-reduces, and the anchor, outer state, results and periods averaged are the
+  same in every part; the contributions and per-device counts are joined in device order."""
+  if len({(m["periods_done"], tuple(m["result_periods"])) for _, m, _ in parts}) > 1:
+    raise RuntimeError(f"processes reached a checkpoint at different periods: "
+                       f"{[m['periods_done'] for _, m, _ in parts]}")
+  arrays = {**parts[0][0], "contributions": [c for a, _, _ in parts for c in a["contributions"]]}
+  meta = {**parts[0][1], "contribution_slots": [[p, first + k] for _, m, first in parts
+                                                for p, k in m["contribution_slots"]]}
+  for key in _PER_DEVICE:
+    meta[key] = [x for _, m, _ in parts for x in m[key]]
+  return arrays, meta
+
+
+def process_state(arrays: dict, meta: dict, first: int, count: int) -> tuple[dict, dict]:
+  """`join_process_states`'s inverse: the part of devices `first .. first + count - 1`."""
+  mine = [n for n, (_, k) in enumerate(meta["contribution_slots"]) if first <= k < first + count]
+  arrays = {**arrays, "contributions": [arrays["contributions"][n] for n in mine]}
+  slots = meta["contribution_slots"]
+  meta = {**meta, "contribution_slots": [[slots[n][0], slots[n][1] - first] for n in mine]}
+  for key in _PER_DEVICE:
+    meta[key] = meta[key][first:first + count]
+  return arrays, meta
 
 
 def make_outer(config: ml_collections.ConfigDict) -> OuterStep | None:
