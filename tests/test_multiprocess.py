@@ -187,10 +187,10 @@ def test_local_sgd_across_two_processes_averages_as_one_process(tmp_path):
 
 
 def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tmp_path):
-  """Every process's devices, their pending contributions and the replicated anchor and slow
-  momentum go into one checkpoint (step 10, inside a period of 4): resumed from it in 2
-  processes x 4 devices, or in one process with 8, the run records the uninterrupted run's
-  losses (evaluations on period boundaries, every 12 steps)."""
+  """Every process's devices, mid-period (step 10, periods of 4), and the replicated anchor
+  and slow momentum go into one checkpoint: resumed from it in 2 processes x 4 devices, or in
+  one process with 8, the run records the uninterrupted run's losses (evaluations every 12
+  steps, on period boundaries)."""
   settings = {"algorithm": "slowmo", "model.widths": "(4,8,8)", "num_steps": 24,
               "eval_every": 12, "checkpoint.every": 10, "baselines.tau": 4,
               "baselines.out_freq": 8, "progress_bar": False}
