@@ -71,8 +71,9 @@ main() {
 }
 
 stragglers() {
-X
-  # delayed DDP run takes 1 + delay times as long), with their own no-straggler runs.
+  # Device 0 delayed by 1, 2, 4 iterations' time, on the host and on the device; 1 epoch (a
+  # delayed DDP run takes 1 + delay times as long: 2 epochs did not fit a session here), with
+  # their own no-straggler runs.
   for mode in host device; do
     python scripts/sweep.py --config configs/fashion_mnist.py \
         --workdir $SWEEPS/fashion_mnist_stragglers --algorithms ${METHODS:-layup ddp gosgd slowmo} --seeds 0 \
