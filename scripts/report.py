@@ -553,7 +553,9 @@ def device_straggler_table(results: pathlib.Path) -> list[str]:
             "program takes CPU from the others, which LayUp without gossip shows alone; "
             "\"separated\" is LayUp's ratio over that one, repeat by repeat. \"before\": the "
             "runtime that dispatched a merge before its input was computed (commit "
-            f"{runs.get('before', {}).get('code') or '-'})."), "",
+            f"{runs.get('before', {}).get('code') or '-'}). Measured "
+            f"{runs['after'].get('measured', '-')}, code {runs['after'].get('code', '-')}"
+            + (f" ({runs['after']['note']})" if runs["after"].get("note") else "") + "."), "",
            ("| delay | LayUp | LayUp, no gossip | separated | DDP | 1/(1+delay) | before: "
             "LayUp | before: separated |"), "|---|---|---|---|---|---|---|---|"]
   for delay in [d for d in args["delays"] if d]:
