@@ -124,14 +124,18 @@ class RemotePeers:
     """Offers `part` (computed) for `peer`'s process to pull and merge into stage s with the
     push-sum `amount` (its latency is recorded there, in `latencies`)."""
     process = self._process_of[peer]
-    with self._lock:
-      self._sent[process] += 1
-      notice = self._sent[process]
+    notice = self._next_notice(process)
     while notice - self.acknowledged(process) > self.max_in_flight:
       if stopped():
         break
       time.sleep(_ACK_POLL_S)
     self._offer_and_announce(process, notice, peer, s, part, amount)
+
+  def _next_notice(self, process: int) -> int:
+    """The number of this process's next notice to `process` (counted per receiving process)."""
+    with self._lock:
+      self._sent[process] += 1
+      return self._sent[process]
 
   def _offer_and_announce(self, process: int, notice: int, peer: int, s: int, part: PyTree,
                           amount: float, average: bool = False) -> int:
@@ -234,9 +238,7 @@ class RemotePeers:
     caller waits for the peer's process (its receiver thread, never its updater)."""
     process = self._process_of[peer]
     mine = jax.block_until_ready(self._read(i, s))
-    with self._lock:
-      self._sent[process] += 1
-      notice = self._sent[process]
+    notice = self._next_notice(process)
     uuid = self._offer_and_announce(process, notice, peer, s, mine, 0.0, average=True)
     reply = f"layup_jax/gossip-reply/{self._me}/{uuid}"
     while True:

@@ -13,10 +13,10 @@ together into the workdir, which must be on a filesystem every process sees; a s
 (SIGTERM, Ctrl-C) takes effect at the next evaluation or checkpoint, where the processes agree
 on it. Across processes run so far (`MULTI_PROCESS_ALGORITHMS`): DDP; LayUp, GoSGD and
 AD-PSGD, their sends and pairwise averages with other processes' devices through
-layup_jax/crossprocess.py, process 0 writing their
-checkpoints with every process's replicas (layup_jax/runtime.py); the periodic baselines, their
-average an all-reduce over every process's devices (layup_jax/collectives.py), without
-checkpoints so far.
+layup_jax/crossprocess.py; the periodic baselines, their average an all-reduce over every
+process's devices (layup_jax/collectives.py). Process 0 writes the gossip and periodic
+algorithms' checkpoints with every process's replicas and exchange state
+(layup_jax/runtime.py).
 """
 
 import contextlib

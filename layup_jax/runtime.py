@@ -74,6 +74,11 @@ class _Stopped(Exception):
 _OWN_ARRAYS = ("replicas", "stage_keys")  # the runtime's checkpoint arrays; the others: exchange
 
 
+def _exchange_arrays(arrays: dict) -> dict:
+  """The exchange's entries of a checkpoint's arrays (all but `_OWN_ARRAYS`)."""
+  return {key: value for key, value in arrays.items() if key not in _OWN_ARRAYS}
+
+
 class Budget:
   """Iterations the compute threads may start, how many their updaters have finished and of how
   many the compute threads have recorded the loss.
@@ -742,8 +747,8 @@ class AsyncRuntime:
                                             "meta": meta, "first": self.first})
     whole = {key: [x for part in parts for x in part["arrays"][key]] for key in _OWN_ARRAYS}
     exchange_arrays, exchange_meta = self.exchange.whole_run_state(
-        [({key: value for key, value in part["arrays"].items() if key not in _OWN_ARRAYS},
-          part["meta"]["exchange"], part["first"]) for part in parts])
+        [(_exchange_arrays(part["arrays"]), part["meta"]["exchange"], part["first"])
+         for part in parts])
     whole.update(exchange_arrays)
     whole_meta = {**meta, "num_devices": self.total_devices, "exchange": exchange_meta,
                   "iterations_done": sum(part["meta"]["iterations_done"] for part in parts)}
@@ -759,8 +764,7 @@ class AsyncRuntime:
     own = slice(self.first, self.first + self.num_devices)
     part = {key: arrays[key][own] for key in _OWN_ARRAYS}
     exchange_arrays, exchange_meta = self.exchange.own_part(
-        {key: value for key, value in arrays.items() if key not in _OWN_ARRAYS},
-        meta["exchange"], self.first, self.num_devices)
+        _exchange_arrays(arrays), meta["exchange"], self.first, self.num_devices)
     part.update(exchange_arrays)
     part_meta = {**meta, "num_devices": self.num_devices, "exchange": exchange_meta,
                  "iterations_done": meta["iterations_done"] // self.total_devices

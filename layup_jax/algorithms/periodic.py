@@ -248,6 +248,14 @@ class PeriodicAveraging(LocalStepsExchange):
     self.store.reset(k, params[k], state[k] if state is not None else None)
     self._applied[k] = boundary
 
+  def _take_ready_result(self, k: int, boundary: int) -> bool:
+    """Device k, at boundary `boundary`, takes the result it continues from (R_b; R_{b-1}
+    under CO2's lag) if that is ready and not yet taken; True if it took it now."""
+    if self._applied[k] >= boundary or self._sync.done < boundary - self.lag:
+      return False
+    self._reset(k, boundary, boundary - self.lag)
+    return True
+
   def end(self, i, context) -> None:
     finished = self._finished[i] + 1
     if finished % self.tau == 0:
@@ -257,8 +265,7 @@ class PeriodicAveraging(LocalStepsExchange):
           list(replica.params), list(replica.state))
       # The last device to arrive averages; with lag 0 it also resets every model.
       self._sync.arrive(boundary)
-      if self.lag and self._sync.done >= boundary - self.lag:  # CO2: the stale average is ready
-        self._reset(i, boundary, boundary - self.lag)
+      self._take_ready_result(i, boundary)  # CO2: the stale average may be ready
     self._finished[i] = finished  # after the reset: the compute thread may now reset instead
     self._sync.notify()
 
@@ -267,12 +274,9 @@ class PeriodicAveraging(LocalStepsExchange):
     ready (CO2) takes it now rather than at its next iteration: at a consistent point every
     device has reached the boundary, so the average is ready, and the snapshot (an evaluation,
     a checkpoint) holds it whatever the timing."""
-    for k in range(self.num_devices):
-      finished = self._finished[k]
-      boundary = finished // self.tau
-      pending = finished and finished % self.tau == 0 and self._applied[k] < boundary
-      if pending and self._sync.done >= boundary - self.lag:
-        self._reset(k, boundary, boundary - self.lag)
+    for k, finished in enumerate(self._finished):
+      if finished and finished % self.tau == 0:
+        self._take_ready_result(k, finished // self.tau)
 
   def may_wait_before_iteration(self, i: int) -> bool:
     k = self.store.replicas[i].iteration
@@ -293,8 +297,7 @@ class PeriodicAveraging(LocalStepsExchange):
       raise RuntimeError(f"serial mode: device {i} reached boundary {boundary} before every "
                          f"device reached boundary {needed}")
     self._sync.wait_until(ready)
-    if self._applied[i] < boundary:  # the average was not ready when this device arrived
-      self._reset(i, boundary, needed)
+    if self._take_ready_result(i, boundary):  # it was not ready when this device arrived
       self._sync.notify()
 
   # --- checkpoints --------------------------------------------------------------------------------
