@@ -107,6 +107,10 @@ class IterationClock:
   WARMUP = 4
   WINDOW = 8
   _OBSERVATIONS = 5
+  # The host's clock and the wait for a device's outputs (tests put a simulated device's here,
+  # with a simulated `DelayProgram`: timings on a shared CPU are not reproducible).
+  now: Callable[[], float] = staticmethod(time.perf_counter)
+  wait: Callable[[Any], Any] = staticmethod(jax.block_until_ready)
 
   def __init__(self, delay_iters: float = 0.0, mode: str = "host",
                device: jax.Device | None = None):
@@ -141,7 +145,7 @@ class IterationClock:
       self._measured = self.delay_iters > 0
       if self._measured and self._count:
         idle(self.delay_iters * self.mean())
-      self._start = time.perf_counter()
+      self._start = self.now()
     self._iterations += 1
 
   def _start_on_device(self, n: int) -> None:
@@ -149,11 +153,11 @@ class IterationClock:
     if not self._count:  # the mean is not known yet: no delay
       if self._window_first is None and n >= self.WARMUP:  # the timed window begins
         self._program.drain()
-        self._window_first, self._start = n, time.perf_counter()
+        self._window_first, self._start = n, self.now()
       self._measured = self._window_first is not None and n == self._window_first + self.WINDOW - 1
     elif n % self.MEASURE_EVERY == 0:
       self._program.drain()
-      self._remeasure_unit(time.perf_counter())
+      self._remeasure_unit(self.now())
     else:
       self._program(self.delay_iters * self.mean() * self.MEASURE_EVERY
                     / (self.MEASURE_EVERY - 1))
@@ -176,11 +180,11 @@ class IterationClock:
     """Marks the end of an iteration whose work ends with `last_outputs`."""
     if not self._measured:
       return
-    jax.block_until_ready(last_outputs)
+    self.wait(last_outputs)
     if self._program is not None:  # the window's end: its time over its iterations
-      self._total, self._count = time.perf_counter() - self._start, self.WINDOW
+      self._total, self._count = self.now() - self._start, self.WINDOW
     else:
-      self._total += time.perf_counter() - self._start
+      self._total += self.now() - self._start
       self._count += 1
 
   def get_state(self) -> list[float]:
