@@ -14,9 +14,10 @@ together into the workdir, which must be on a filesystem every process sees; a s
 on it. Across processes run so far (`MULTI_PROCESS_ALGORITHMS`): DDP; LayUp, GoSGD and
 AD-PSGD, their sends and pairwise averages with other processes' devices through
 layup_jax/crossprocess.py; the periodic baselines, their average an all-reduce over every
-process's devices (layup_jax/collectives.py). Process 0 writes the gossip and periodic
-algorithms' checkpoints with every process's replicas and exchange state
-(layup_jax/runtime.py).
+process's devices (layup_jax/collectives.py). In the gossip and periodic algorithms'
+checkpoints each process writes its own devices' replicas (rows of arrays sharded over the
+run's devices, `checkpointing.DeviceRows`) and process 0 the state every process holds the
+same, with the metadata gathered from all (layup_jax/runtime.py).
 """
 
 import contextlib

@@ -106,11 +106,16 @@ class Exchange(Protocol):
   run up to a period ahead, so an evaluation or checkpoint fell at iterations that differed
   between devices from run to run (a record's loss moved by 0.2 %), and across processes one
   process could start a period's all-reduce that another had not reached at a checkpoint.
+
+  `same_on_every_process`: the keys of `state_dict`'s arrays that every process holds the same
+  at a checkpoint (a replicated average): across processes they are not gathered, and each
+  process passes its own copy to `whole_run_state`.
   """
 
   fuses_local_step: bool
   schedule_by_own_iteration: bool
   equal_shares: bool
+  same_on_every_process: tuple[str, ...]
 
   def begin(self, i: int) -> Any: ...
 
@@ -156,6 +161,7 @@ class StatelessExchange:
   fuses_local_step = False
   schedule_by_own_iteration = False
   equal_shares = False
+  same_on_every_process: tuple[str, ...] = ()
 
   def __init__(self, links: Links):
     self.links, self.store, self.peers = links, links.store, links.peers

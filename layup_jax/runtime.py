@@ -46,6 +46,7 @@ import numpy as np
 import optax
 
 from layup_jax import crossprocess, distributed, flops, outbox, transfer
+from layup_jax.checkpointing import DeviceRows
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import ConfigError, NonFiniteError
 from layup_jax.exchange import Exchange, Links, PeerSampler
@@ -58,7 +59,9 @@ from layup_jax.stages import StagedModel, make_stage_steps, staged_pass, states_
 from layup_jax.straggler import IterationClock
 
 PyTree = Any
-CHECKPOINT_FORMAT = 2  # per-stage push-sum weights, step-driven schedules
+# 2: per-stage push-sum weights, step-driven schedules; 3: replicas and stage keys as rows of
+# arrays sharded over the devices (`checkpointing.DeviceRows`).
+CHECKPOINT_FORMAT = 3
 _POLL_S = 0.05  # how often blocked threads look at the stop event
 _UPDATER_CLOSES = object()  # a handed-over stage whose iteration's checks the updater closes
 
@@ -253,6 +256,7 @@ class AsyncRuntime:
       raise ConfigError(f"this process's devices are not consecutive in the run: {positions}")
     self.first, self.total_devices = positions[0], len(devices)
     run_devices = list(devices)
+    self._run_devices = tuple(run_devices)
     devices = [devices[p] for p in positions]
     train_batches = [list(train_batches)[p] for p in positions]
     self.num_devices, self.num_stages = len(devices), model.num_stages
@@ -716,7 +720,9 @@ class AsyncRuntime:
   # --- checkpoints (at a consistent point: every thread idle between iterations) --------------
 
   def state_dict(self) -> tuple[PyTree, dict[str, Any]]:
-    arrays = self.store.arrays()
+    # Each device's replica and keys: rows of the checkpoint's arrays that this process writes.
+    arrays = {key: DeviceRows(value, self.first, self.total_devices, self._run_devices)
+              for key, value in self.store.arrays().items()}
     exchange_arrays, exchange_meta = self.exchange.state_dict()
     arrays.update(exchange_arrays)
     meta = {
@@ -739,15 +745,21 @@ class AsyncRuntime:
   _PER_DEVICE_META = ("iterations", "weights", "peer_rngs", "clocks", "losses", "skipped")
 
   def _whole_run_state(self, arrays: PyTree, meta: dict[str, Any]) -> tuple[PyTree, dict]:
-    """Across processes: every process's replicas (host copies), exchange state and metadata
-    in one state, the same on every process, which process 0 writes as one checkpoint (a
-    collective, at a consistent point). Host copies, not global arrays: Orbax writes a host
-    array once, from process 0, as it writes DDP's replicated one."""
-    parts = distributed.all_gather_pickled({"arrays": crossprocess.host_tree(arrays),
-                                            "meta": meta, "first": self.first})
-    whole = {key: [x for part in parts for x in part["arrays"][key]] for key in _OWN_ARRAYS}
+    """Across processes: the whole run's state, of which each process writes its own devices'
+    replicas (`DeviceRows`) and process 0 the rest, which every process holds the same: the
+    metadata of every process and the exchange's state, gathered (host copies of what differs
+    between processes; what the exchange holds the same on every process is this process's
+    copy). A collective, at a consistent point."""
+    exchange_arrays = _exchange_arrays(arrays)
+    same = set(self.exchange.same_on_every_process)
+    own_copy = crossprocess.host_tree({k: v for k, v in exchange_arrays.items() if k in same})
+    parts = distributed.all_gather_pickled({
+        "arrays": crossprocess.host_tree({k: v for k, v in exchange_arrays.items()
+                                          if k not in same}),
+        "meta": meta, "first": self.first})
+    whole = {key: arrays[key] for key in _OWN_ARRAYS}
     exchange_arrays, exchange_meta = self.exchange.whole_run_state(
-        [(_exchange_arrays(part["arrays"]), part["meta"]["exchange"], part["first"])
+        [({**own_copy, **part["arrays"]}, part["meta"]["exchange"], part["first"])
          for part in parts])
     whole.update(exchange_arrays)
     whole_meta = {**meta, "num_devices": self.total_devices, "exchange": exchange_meta,
@@ -757,12 +769,13 @@ class AsyncRuntime:
     return whole, whole_meta
 
   def _own_part(self, arrays: PyTree, meta: dict[str, Any]) -> tuple[PyTree, dict]:
-    """This process's devices' part of a whole-run checkpoint (`_whole_run_state`)."""
-    if meta["num_devices"] != self.total_devices:
-      raise ConfigError(f"this checkpoint holds {meta['num_devices']} devices' replicas; across "
-                        f"processes a run resumes on as many ({self.total_devices} here)")
+    """This process's devices' part of a whole-run checkpoint (`_whole_run_state`); its
+    replicas are this process's already (`restore_template`)."""
+    self._check_same_devices(meta)
     own = slice(self.first, self.first + self.num_devices)
-    part = {key: arrays[key][own] for key in _OWN_ARRAYS}
+    part = {key: arrays[key] for key in _OWN_ARRAYS}
+    if any(len(part[key]) != self.num_devices for key in _OWN_ARRAYS):
+      raise ValueError("across processes a state holds this process's replicas only")
     exchange_arrays, exchange_meta = self.exchange.own_part(
         _exchange_arrays(arrays), meta["exchange"], self.first, self.num_devices)
     part.update(exchange_arrays)
@@ -773,16 +786,29 @@ class AsyncRuntime:
       part_meta[key] = meta[key][own]
     return part, part_meta
 
+  def _check_same_devices(self, meta: dict[str, Any]) -> None:
+    if meta["num_devices"] != self.total_devices:
+      raise ConfigError(f"this checkpoint holds {meta['num_devices']} devices' replicas; across "
+                        f"processes a run resumes on as many ({self.total_devices} here)")
+
   def _check_format(self, meta: dict[str, Any]) -> None:
     if meta.get("format") != CHECKPOINT_FORMAT:
       raise ConfigError(
-          "this checkpoint was written by an earlier layup_jax (per-device push-sum weights, "
-          "per-device learning-rate schedules); resume it with the version that wrote it, or "
-          "start the run in a new workdir")
+          f"this checkpoint was written by an earlier layup_jax (checkpoint format "
+          f"{meta.get('format', 1)}, this version's: {CHECKPOINT_FORMAT}); resume it with the "
+          f"version that wrote it, or start the run in a new workdir")
 
   def restore_template(self, meta: dict[str, Any]) -> PyTree:
+    """Across processes, this process's devices' replicas (their rows of the checkpoint); in
+    one process, every saved replica (remapped by `load_state_dict` to another count)."""
     self._check_format(meta)
-    template = self.store.restore_template(meta["num_devices"])
+    if self._remote is not None:
+      self._check_same_devices(meta)
+      template = {key: DeviceRows(value, self.first, self.total_devices, self._run_devices)
+                  for key, value in self.store.restore_template(self.num_devices).items()}
+    else:
+      template = {key: DeviceRows(value) for key, value in
+                  self.store.restore_template(meta["num_devices"]).items()}
     template.update(self.exchange.restore_template(meta["exchange"]))
     return template
 

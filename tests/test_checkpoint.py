@@ -5,6 +5,7 @@ thread interleaving is not, so a resumed runtime must hold exactly what was save
 """
 
 import json
+import pathlib
 import shutil
 
 import chex
@@ -15,7 +16,7 @@ import pytest
 from layup_jax import checkpointing, pushsum, remap, runner
 from layup_jax.algorithms import periodic
 from layup_jax.algorithms.periodic import CO2Outer, make_exchange
-from layup_jax.checkpointing import Checkpoints
+from layup_jax.checkpointing import Checkpoints, DeviceRows
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import ConfigError, NonFiniteError, StorageError
 from layup_jax.metrics import read_metrics
@@ -106,6 +107,44 @@ def test_layup_resumes_with_the_replicas_opt_states_and_weights_it_saved(tmp_pat
 def _consensus(replica_params, weights):
   return pushsum.consensus([jax.tree.map(np.asarray, p) for p in replica_params],
                            np.asarray(weights))
+
+
+def test_each_devices_unit_is_a_row_of_one_array_per_dtype_read_back_per_device_or_whole(
+    tmp_path):
+  """Every device's replica becomes a row of one array per dtype, sharded over the run's
+  devices: across processes each process writes and reads the rows of its own devices (here
+  devices 2 and 3 of 4, as the second of two processes), and one process reads every row."""
+  devices = jax.devices()[:4]
+  units = [{"w": jax.device_put(np.full((2, 3), k, np.float32), d),
+            "step": jax.device_put(np.int32(k), d)} for k, d in enumerate(devices)]
+  packed = checkpointing.pack({"replicas": DeviceRows(units, 0, 4, devices)})["replicas"]
+  assert {dtype: a.shape for dtype, a in packed.items()} == {"float32": (4, 6), "int32": (4, 1)}
+  assert [s.device for s in packed["float32"].addressable_shards] == devices
+  checkpoints = Checkpoints(tmp_path / "checkpoints", keep=1)
+  checkpoints.save(1, {"replicas": DeviceRows(units, 0, 4, devices)}, {})
+  checkpoints.wait()
+  second = DeviceRows(units[2:], first=2, total=4, devices=devices)
+  got = checkpoints.restore(lambda meta: {"replicas": second})[1]["replicas"]
+  assert [int(u["step"]) for u in got] == [2, 3]
+  assert got[1]["w"].devices() == {devices[3]} and (np.asarray(got[1]["w"]) == 3).all()
+  every = DeviceRows(units)  # no devices: every row, to the host and onto the units' devices
+  got = checkpoints.restore(lambda meta: {"replicas": every})[1]["replicas"]
+  assert [int(u["step"]) for u in got] == [0, 1, 2, 3]
+  assert [u["w"].devices() for u in got] == [{d} for d in devices]
+  checkpoints.close()
+
+
+def test_a_checkpoint_of_an_earlier_format_is_refused_in_one_line_and_kept(tmp_path):
+  runtime = make_layup_runtime(2)
+  checkpoints = Checkpoints(tmp_path / "checkpoints", keep=2)
+  arrays, meta = runtime.state_dict()
+  checkpoints.save(1, arrays, {"runtime": {**meta, "format": 2}})
+  checkpoints.wait()
+  with pytest.raises(ConfigError, match="earlier layup_jax .checkpoint format 2, this version"):
+    checkpoints.restore(lambda m: runtime.restore_template(m["runtime"]))
+  assert checkpoints.steps() == [1]  # not moved aside as unreadable
+  checkpoints.close()
+  runtime.close()
 
 
 @pytest.mark.parametrize("new_devices", [3, 8])  # fewer and more devices
@@ -302,6 +341,28 @@ def test_an_unwritable_workdir_or_a_full_disk_fails_before_training(tiny_config,
   with pytest.raises(StorageError, match=r"MiB are free"):
     runner.run(tiny_config, tmp_path / "run")
   assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_processes_sharing_a_workdir_probe_it_without_removing_each_others_probe(
+    tmp_path, monkeypatch):
+  """Every process checks the shared workdir before training. With one probe name for all,
+  a process that probed between another's write and removal removed that probe, the other's
+  removal failed, and a resumed 2-process run stopped with 'the workdir is not writable (No
+  such file or directory)'. Here process 0 probes inside process 1's write."""
+  real_write, interleaved = pathlib.Path.write_bytes, []
+
+  def write_then_process_0_probes(path, data):
+    real_write(path, data)
+    if not interleaved:
+      interleaved.append(path)
+      with monkeypatch.context() as patch:
+        patch.setattr(checkpointing.jax, "process_index", lambda: 0)
+        checkpointing.check_storage(tmp_path, 1, keep=1)
+
+  monkeypatch.setattr(pathlib.Path, "write_bytes", write_then_process_0_probes)
+  monkeypatch.setattr(checkpointing.jax, "process_index", lambda: 1)
+  checkpointing.check_storage(tmp_path, 1, keep=1)
+  assert interleaved and not any((tmp_path / "checkpoints").iterdir())  # both probes removed
 
 
 def test_restore_starts_a_new_workdir_from_a_given_checkpoint(tiny_config, tmp_path):

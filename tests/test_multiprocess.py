@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from configs import base
+from configs import base, digits
 from layup_jax import crossprocess, distributed, runner
 from layup_jax.errors import ConfigError
 from layup_jax.launch import commands, environment, free_port
@@ -141,9 +141,11 @@ def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_pa
 
 def test_layup_across_two_processes_trains_the_digits_and_resumes_after_a_kill(tmp_path):
   """LayUp on 2 processes x 4 devices, its sends to the other process's devices through the
-  transfer server: process 1 is killed after the checkpoint at step 80 (every process's
-  replicas, written by process 0); the launcher stops the run in one line; the same command
-  resumes there, and the push-sum average reaches 0.95 on the digits, the weights summing to 1."""
+  transfer server: process 1 is killed after the checkpoint at step 80, of which each process
+  wrote its own devices' replicas; the launcher stops the run in one line. One process with 8
+  devices reads every process's part of it: its evaluation of step 80 is the two processes'.
+  The same command resumes there, and the push-sum average reaches 0.95 on the digits, the
+  weights summing to 1."""
   work = tmp_path / "run"
   settings = {"algorithm": "layup", "num_steps": 160, "eval_every": 80, "checkpoint.every": 80,
               "progress_bar": False}
@@ -152,6 +154,16 @@ def test_layup_across_two_processes_trains_the_digits_and_resumes_after_a_kill(t
       command, work, _kill_process_1(work), checkpoint=80)
   assert seconds < 30 and launcher.returncode == 128 + signal.SIGKILL, output[-3000:]
   assert "launch: process 1 was killed by SIGKILL; stopping the others" in output
+  arrays = work / "checkpoints" / "80" / "arrays"
+  assert {p.name for p in arrays.glob("ocdbt.process_*")} == {"ocdbt.process_0",
+                                                             "ocdbt.process_1"}
+  at_80 = next(r for r in read_metrics(work) if (r["step"], r["split"]) == (80, "test"))
+  config = digits.get_config()
+  base.set_values(config, {**settings, "num_steps": 80,
+                           "restore": str(work / "checkpoints" / "80")})
+  one = runner.run(config, tmp_path / "one")
+  assert one["resumed_from_step"] == 80
+  assert one["final_eval_loss"] == pytest.approx(at_80["loss"], rel=1e-6)
   done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                         check=False)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -168,6 +168,8 @@ class PeriodicAveraging(LocalStepsExchange):
   schedule_by_own_iteration = True  # every device's k-th local step at the schedule's step k
   equal_shares = True  # every device takes the run's iterations / devices (a CO2 record or
                       # checkpoint then falls at the same iterations whatever the timing)
+  # Replicated averages: at a checkpoint every process has run the same ones.
+  same_on_every_process = ("anchor", "outer_state", "results")
 
   def __init__(self, links: Links, *, tau: int, out_freq: int, outer: OuterStep | None,
                lag: int, learning_rate: Callable[[int], float] = lambda step: 1.0):
@@ -391,7 +393,8 @@ def join_process_states(parts: list[tuple[dict, dict, int]]) -> tuple[dict, dict
   device. At a checkpoint every device of every process has taken the same iterations (the
   runner stops all processes at the same step; `equal_shares`), so every process has run the
   same periods' all-reduces, and the anchor, outer state, results and periods averaged are the
-  same in every part; the contributions and per-device counts are joined in device order."""
+  same in every part (each process passes its own copy: `same_on_every_process`); the
+  contributions and per-device counts are joined in device order."""
   if len({(m["periods_done"], tuple(m["result_periods"])) for _, m, _ in parts}) > 1:
     raise RuntimeError(f"processes reached a checkpoint at different periods: "
                        f"{[m['periods_done'] for _, m, _ in parts]}")
