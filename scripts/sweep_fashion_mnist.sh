@@ -73,11 +73,18 @@ main() {
 stragglers() {
   # Device 0 delayed by 1, 2, 4 iterations' time, on the host and on the device; 1 epoch (a
   # delayed DDP run takes 1 + delay times as long: 2 epochs did not fit a session here), with
-  # their own no-straggler runs.
+  # their own no-straggler runs. Each method's warm-up is scaled with the run (a third of the
+  # config's: 1 of 3 epochs becomes 1/3 of 1), so every run ends on the decayed learning rate
+  # as the main table's runs do.
   for mode in host device; do
-    python scripts/sweep.py --config configs/fashion_mnist.py \
-        --workdir $SWEEPS/fashion_mnist_stragglers --algorithms ${METHODS:-layup ddp gosgd slowmo} --seeds 0 \
-        --delays 0 1 2 4 --straggler-mode $mode --set num_epochs=1
+    for algorithm in ${METHODS:-layup ddp gosgd slowmo}; do
+      warmup=$(python -c "import runpy; paper = runpy.run_path('configs/fashion_mnist.py')['PAPER']
+print(round(paper['$algorithm']['optimizer.warmup_epochs'] / 3, 4))")
+      python scripts/sweep.py --config configs/fashion_mnist.py \
+          --workdir $SWEEPS/fashion_mnist_stragglers --algorithms $algorithm --seeds 0 \
+          --delays 0 1 2 4 --straggler-mode $mode --set num_epochs=1 \
+          --set optimizer.warmup_epochs=$warmup
+    done
   done
 }
 
