@@ -187,9 +187,9 @@ def unpack(packed: dict[str, dict[str, Any]], template: dict[str, Any]) -> dict[
   tree = {}
   for key, value in template.items():
     if isinstance(value, DeviceRows):
-      tree[key] = value.like([_unpack_unit(flats, unit, f"{key}.{value.first + k}")
-                              for k, (flats, unit) in enumerate(
-                                  zip(_row_flats(packed[key], value), value))])
+      rows = _row_flats(packed[key], value)
+      tree[key] = value.like([_unpack_unit(rows[k], unit, f"{key}.{value.first + k}")
+                              for k, unit in enumerate(value)])
     elif isinstance(value, list):
       tree[key] = [units[f"{key}.{j}"] for j in range(len(value))]
     else:
