@@ -83,7 +83,11 @@ def get_config() -> ml_collections.ConfigDict:
   # LayUp's own knobs.
   config.layup = ml_collections.ConfigDict()
   config.layup.bn_policy = "mix"  # BatchNorm running statistics under gossip: "mix" or "local"
-  config.layup.max_dispatch_ahead = 1  # iterations a compute thread may run ahead of its device
+  config.layup.max_dispatch_ahead = 1  # iterations a compute task may run ahead of its device
+  # The updater tasks (sends, merges) on a thread of their own beside the dispatcher's (the
+  # paper's design), the two taking turns per stretch of work; False: on the dispatcher's
+  # thread, one thread per process (docs/host.md measures both).
+  config.layup.updater_thread = True
   config.layup.gossip = True  # False: local steps only (LayUp, GoSGD, AD-PSGD), to time gossip
   # Push-sum weights (LayUp, GoSGD): "per_stage", one weight per device and stage, each stage an
   # exact push-sum instance; "per_model", one per device as in the paper's Algorithm 1 (the
@@ -93,8 +97,9 @@ def get_config() -> ml_collections.ConfigDict:
   # one array per stage in every optimizer step, send and merge. False: per-stage pytrees.
   config.layup.pack_stages = True
   # Each stage's local optimizer step in the program of its backward, dispatched by the compute
-  # thread (one launch fewer per stage, no gradient array; layup_jax/runtime.py). False: the
-  # updater thread applies the gradient in a program of its own. AD-PSGD never fuses.
+  # task (one launch fewer per stage, no gradient array, and a received stage is mixed in by
+  # the same program; layup_jax/runtime.py). False: the updater applies the gradient in a
+  # program of its own. AD-PSGD never fuses.
   config.layup.fuse_local_step = True
   # What a stage's forward keeps for its backward: "dots" (default) only the outputs of
   # convolutions and matrix multiplications, recomputing the elementwise work (normalization,

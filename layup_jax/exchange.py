@@ -1,17 +1,19 @@
 """What an algorithm on the asynchronous runtime decides: what happens to a device's stages.
 
-The runtime (layup_jax/runtime.py) runs, per device, a compute thread (forward and backward)
-and an updater thread. For each iteration of device i the updater calls its algorithm's
+The runtime (layup_jax/runtime.py) runs, per device, a compute task (forward and backward)
+and an updater task. For each iteration of device i the updater calls its algorithm's
 `Exchange`:
 
   context = begin(i)                  when the iteration's first gradient arrives
   on_stage(i, context, s, grads, step) as each stage's gradient arrives (last stage first)
   end(i, context)                      after the last stage; the iteration is then done
 
-and the compute thread calls `before_iteration(i, wait)` before each iteration (where an
-algorithm makes a device wait for the others, at a period boundary). An exchange writes
-replicas only through the `ReplicaStore` and sends stages only through its devices'
-`Outbox`es; it holds no threads of its own.
+and the compute task calls `before_iteration(i)` before each iteration (where an algorithm
+makes a device wait for the others, at a period boundary). A hook that waits for something is a
+task (a generator, `layup_jax.scheduler`): it yields what it waits for, so that the thread
+running every device's tasks never blocks on one. An exchange writes replicas only through the
+`ReplicaStore` and sends stages only through its devices' `Outbox`es; it holds no threads of
+its own.
 """
 
 import dataclasses
@@ -124,9 +126,9 @@ class Exchange(Protocol):
 
   def end(self, i: int, context: Any) -> None: ...
 
-  def before_iteration(self, i: int, wait: bool) -> None:
-    """Called by compute thread i before it takes an iteration; `wait` is False in the serial
-    mode, where nothing may block."""
+  def before_iteration(self, i: int) -> Any:
+    """Called by compute task i before it takes an iteration: None, or a task that waits
+    (for the other devices, at a boundary)."""
 
   def may_wait_before_iteration(self, i: int) -> bool:
     """Whether `before_iteration(i)` may block now (waiting for other devices)."""
@@ -166,7 +168,7 @@ class StatelessExchange:
   def __init__(self, links: Links):
     self.links, self.store, self.peers = links, links.store, links.peers
 
-  def before_iteration(self, i: int, wait: bool) -> None:
+  def before_iteration(self, i: int) -> None:
     pass
 
   def may_wait_before_iteration(self, i: int) -> bool:

@@ -13,7 +13,7 @@ CONFIG_KEYS = {
     "seed": "seed", "bn_policy": "layup.bn_policy", "push_sum": "layup.push_sum",
     "gossip": "layup.gossip", "max_dispatch_ahead": "layup.max_dispatch_ahead",
     "max_sends_in_flight": "layup.max_sends_in_flight", "pack_stages": "layup.pack_stages",
-    "fuse_local_step": "layup.fuse_local_step",
+    "fuse_local_step": "layup.fuse_local_step", "updater_thread": "layup.updater_thread",
     "remat": "layup.remat", "nonfinite": "faults.nonfinite",
     "latency_every": "metrics.latency_every", "straggler_device": "straggler.device",
     "straggler_delay_iters": "straggler.delay_iters", "straggler_mode": "straggler.mode",
@@ -34,6 +34,7 @@ class RuntimeOptions:
   max_sends_in_flight: int = 0
   pack_stages: bool = True
   fuse_local_step: bool = True
+  updater_thread: bool = True
   remat: str = "dots"
   nonfinite: str = "stop"
   latency_every: int = 0

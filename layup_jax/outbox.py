@@ -1,18 +1,19 @@
 """One device's sends of stages to peers (paper Algorithm 1: `send(x^{i,l}, j)`, peer update).
 
 A send takes stage s from the sender's replica together with the push-sum weight it carries
-(`ReplicaStore.take`), waits on the sender's updater thread until that version of the stage is
+(`ReplicaStore.take`), waits (in the sender's updater task) until that version of the stage is
 computed on the sender's device, copies it to the peer's device and merges it there
-(`ReplicaStore.merge`). Waiting first is what keeps devices independent: a device runs its
+(`ReplicaStore.merge`: per stage, the peer's next forward mixes it in). Waiting first is what keeps devices independent: a device runs its
 programs in the order they were dispatched, so a merge whose input were still being computed on
 the sender would hold up every program dispatched on the peer after it, and a slow device would
-stall each device it sends to. The wait is on the sender's own work and on its own thread; the
-peer's device only ever receives finished arrays, and the peer's threads never wait.
+stall each device it sends to. The wait is on the sender's own work and in its own task; the
+peer's device only ever receives finished arrays, and the peer's tasks never wait.
 
 Sends leave in the order they were posted. A posted stage goes as soon as it is computed: each
-`push` first sends the posted stages that are ready (without waiting), and `flush` waits for the
-rest, so the updater keeps applying the local steps of gradients that arrive meanwhile. With
-`max_in_flight`, at most that many merges the outbox dispatched may be uncomputed on peers
+`push` first sends the posted stages that are ready (without waiting), and `flush`, a task
+(`layup_jax.scheduler`), waits for the rest without blocking the thread that runs it. With
+`max_in_flight`, at most that many of its sends may be on their way to peers (copied or merged
+there not yet computed)
 before it waits for the oldest (that waits on a peer: the price of bounding what peers hold).
 
 A device admits a bounded number of programs in flight (32 per device in XLA's CPU client):
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 
 from layup_jax import transfer
 from layup_jax.replicas import ReplicaStore
+from layup_jax.scheduler import Ready, Task
 
 PyTree = Any
 # Merges pending on a device from which it counts as congested: a quarter of the 32 programs
@@ -43,12 +45,8 @@ PyTree = Any
 CONGESTED_AT = 8
 
 
-def _is_ready(tree: PyTree) -> bool:
-  return all(leaf.is_ready() for leaf in jax.tree.leaves(tree))
-
-
-# A scalar computed from a merged stage: ready once the merge has run, and holding it (to wait
-# on a send) keeps no version of the peer's stage alive.
+# A scalar computed from a landed stage on its device: ready once the stage is there, and
+# holding it (to bound the sends in flight) keeps no copy of the stage alive.
 _landed = jax.jit(lambda leaf: jnp.sum(leaf.ravel()[:1]))
 
 
@@ -56,6 +54,10 @@ def compile_landed(store: ReplicaStore) -> list:
   """Runs the landed-scalar function once per stage on every device (used with a bound)."""
   return [_landed(jax.tree.leaves(store.params(j, s))[0])
           for j in range(store.num_devices) for s in range(store.num_stages)]
+
+
+def _is_ready(tree: PyTree) -> bool:
+  return all(leaf.is_ready() for leaf in jax.tree.leaves(tree))
 
 
 class Outbox:
@@ -72,31 +74,45 @@ class Outbox:
     self.reroute_congested = False
     # Posted sends: (peer, stage, part, amount, whether the merge adds it, future or None).
     self._pending: collections.deque = collections.deque()
-    self._in_flight: collections.deque = collections.deque()  # `_landed` scalars, oldest first
+    self._in_flight: collections.deque = collections.deque()  # landed markers, oldest first
     self.max_in_flight = max_in_flight or math.inf
+    self.sent = 0  # sends made (to this process's devices and others')
+    self.peak_in_flight = 0  # the most sends on their way at once, under `max_in_flight`
     self.watch = False  # whether `push` returns a future of the merged stage (timed iterations)
 
   def push(self, peer: int, s: int, amount: float | None = None) -> Future | None:
     """Sends stage s to `peer`: with `amount` None, per-stage push-sum (w_{i,s} halved now,
     the amount added to w_{j,s} by the merge); else Algorithm 1's per-model form (the weight
     was halved for the whole model, and is added once every stage has gone). With `watch`,
-    returns a future of the merged stage (set once the send is made), else None."""
+    returns a future of the merged stage (set once the send is made), else None. Never waits:
+    what is not computed yet goes with a later `push` or `flush`."""
     part, halved = self._store.take(self._sender, s, halve=amount is None)
     merged = Future() if self.watch else None
     self._pending.append((peer, s, part, halved if amount is None else amount, amount is None,
                           merged))
-    while self._pending and _is_ready(self._pending[0][2]):
+    while self._pending and _is_ready(self._pending[0][2]) and self._room():
       self._send(*self._pending.popleft())
     return merged
 
-  def flush(self) -> None:
-    """Sends every posted stage, waiting for each to be computed on the sender's device."""
+  def flush(self) -> Task:
+    """Sends every posted stage as it is computed on the sender's device (a task: it waits for
+    that, and for room under `max_in_flight`)."""
     while self._pending:
+      yield Ready(self._pending[0][2])  # computed on our device: the peer never waits on it
+      while not self._room():  # bounds what peers hold of ours
+        yield Ready(self._in_flight[0])
       self._send(*self._pending.popleft())
+
+  def _room(self) -> bool:
+    """Whether fewer than `max_in_flight` of our merges are uncomputed on peers."""
+    while self._in_flight and self._in_flight[0].is_ready():
+      self._in_flight.popleft()
+    return len(self._in_flight) < self.max_in_flight
 
   def _send(self, peer: int, s: int, part: PyTree, amount: float, add_weight: bool,
             watched: Future | None) -> None:
-    jax.block_until_ready(part)  # computed on our device: the peer never waits on our work
+    """Sends a computed `part` (and room under the bound)."""
+    self.sent += 1
     if self._remote is not None and self._remote.is_remote(peer):
       self._remote.send(peer, s, part, amount, self._stopped)
       if watched is not None:  # timed on the receiving process (`remote_send_latency_ms`)
@@ -105,16 +121,13 @@ class Outbox:
     peer -= self._first  # the store's index
     if self.reroute_congested and add_weight:
       peer = self._uncongested(peer)
-    while self._in_flight and self._in_flight[0].is_ready():
-      self._in_flight.popleft()
-    while len(self._in_flight) >= self.max_in_flight:  # bounds what peers hold of ours
-      jax.block_until_ready(self._in_flight.popleft())
     received = transfer.to_device(part, self._store.device(peer))
-    merged = self._store.merge(peer, s, received, amount, add_weight)
+    landed = self._store.merge(peer, s, received, amount, add_weight)
     if self.max_in_flight < math.inf:
-      self._in_flight.append(_landed(jax.tree.leaves(merged)[0]))
+      self._in_flight.append(_landed(landed))
+      self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
     if watched is not None:
-      watched.set_result(merged)
+      watched.set_result(landed)
 
   def _uncongested(self, peer: int) -> int:
     """`peer`, or a random peer with fewer than `CONGESTED_AT` merges pending if it has as

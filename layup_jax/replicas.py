@@ -21,6 +21,16 @@ for its BatchNorm state, so that the owner's forward (statistics) and its update
 never wait for each other; a merge that mixes both takes both. Any write that needs several
 takes params locks before state locks, and devices in index order, so writes cannot deadlock.
 The lock type is given by the runtime (layup_jax/runtime.py owns the threads).
+
+Where the local updates are fused into the backward (`defer_merges`), a peer's stage received
+under per-stage push-sum is not merged by a program of its own: it waits in the receiving
+stage's inbox (with its push-sum amount) and the stage's next backward-and-update program (or
+the loss stage's) mixes it in first, then updates the mixed stage, adding the amount to the
+weight in the same atomic write (`DeviceStages`). Until then the stage and its inbox together
+hold the stage's push-sum mass, so every sum stays exact; a stage's own send takes the stage
+without its inbox (which then arrived, as far as the push-sum is concerned, just after). At
+most one received stage waits per stage: an earlier one is merged by a program when a second
+arrives, and at a consistent point (`settle`) every one is.
 """
 
 import collections
@@ -38,6 +48,7 @@ import optax
 from layup_jax import nonfinite, pushsum, remap, transfer
 from layup_jax.options import RuntimeOptions
 from layup_jax.packing import StagePacking
+from layup_jax.scheduler import Ready, Task
 from layup_jax.snapshot import Snapshot
 from layup_jax.stages import StagedModel, make_stage_steps, stage_key
 
@@ -123,14 +134,16 @@ class ReplicaStore:
     # name whichever device read its loss first rather than the one it appeared on. The
     # policy decides only whether the run goes on (the runtime reads the checks).
     step_fn = functools.partial(local_update, tx, skip_nonfinite=True)
+    self._merge_state = [self.bn_policy == "mix" and has for has in self._has_state]
     self.steps = make_stage_steps(model, keep_finite_state=True,
                                   packings=self.packings, state_packings=self._state_packings,
-                                  remat=options.remat, update=step_fn)
+                                  remat=options.remat, update=step_fn,
+                                  merge_state=self._merge_state)
     # Donated: the Optax state and the gradient, which only the update reads (the new params
-    # take the gradient's buffer), and the received copy of a peer's stage (the merge's output
-    # takes its buffer). Params are never donated: forwards, backwards and sends read them.
+    # take the gradient's buffer). Params are never donated: forwards, backwards and sends read
+    # them; nor is a received stage, which marks its send as landed (`merge`).
     self.update = jax.jit(step_fn, donate_argnums=(1, 2))
-    self.merge_fn = jax.jit(pushsum.merge, donate_argnums=(1,))
+    self.merge_fn = jax.jit(pushsum.merge)
     self._toward_average = jax.jit(pushsum.toward_average)
     base_key = jax.random.key(options.seed)
     self.replicas = [
@@ -147,6 +160,11 @@ class ReplicaStore:
         for i, device in enumerate(devices)
     ]
     self.weights = pushsum.PushSumWeights(self.num_devices, self.num_stages, total_devices)
+    # Whether a received stage waits for its stage's next fused program (`merge`): set by the
+    # runtime where the local updates are fused into the backward.
+    self.defer_merges = False
+    # A peer's stage received for (j, s) and not mixed in yet: (received, amount), at most one.
+    self._inbox: list[list[tuple | None]] = [[None] * self.num_stages for _ in devices]
     self._locks = [[lock() for _ in range(self.num_stages)] for _ in devices]
     self._state_locks = [[lock() for _ in range(self.num_stages)] for _ in devices]
     # Merges dispatched into each device and not yet seen computed (`pending_merges`): their
@@ -187,6 +205,17 @@ class ReplicaStore:
       else:
         yield
 
+  @contextlib.contextmanager
+  def _stage_locks(self, i: int, s: int, params: bool, state: bool):
+    """Holds the lock of stage s's params and of its BatchNorm state, as asked, params first
+    (the order every write takes them in)."""
+    with contextlib.ExitStack() as held:
+      if params:
+        held.enter_context(self._locks[i][s])
+      if state:
+        held.enter_context(self._state_locks[i][s])
+      yield
+
   def _store_mixed_part(self, i: int, s: int, part: PyTree) -> None:
     replica = self.replicas[i]
     if isinstance(part, tuple):
@@ -195,16 +224,6 @@ class ReplicaStore:
       replica.params[s] = part
 
   # --- writes ----------------------------------------------------------------------------------
-
-  def run_forward(self, i: int, s: int, forward: Callable[[PyTree], tuple[Any, PyTree]]) -> Any:
-    """`forward(state of stage s) -> (outputs, new state)`, storing the new BatchNorm state
-    in the same atomic write (a merge of the statistics that lands meanwhile is not lost)."""
-    replica = self.replicas[i]
-    if not self._has_state[s]:
-      return forward(replica.state[s])[0]
-    with self._state_locks[i][s]:
-      outputs, replica.state[s] = forward(replica.state[s])
-    return outputs
 
   def local_step(self, i: int, s: int, grads: PyTree, step: jax.Array) -> PyTree:
     """Paper Algorithm 1, local update: `x_{i,s} <- x_{i,s} - eta grad`, applied to the newest
@@ -220,25 +239,11 @@ class ReplicaStore:
     self._open_checks[i] = (order, so_far)
     return new_params
 
-  def backward_step(self, i: int, s: int, vjp: PyTree, x: PyTree, dy: PyTree,
-                    tied_grad: PyTree | None, step: jax.Array) -> tuple[PyTree, PyTree]:
-    """Stage s's backward and Algorithm 1's local update in one program (s below the loss
-    stage): the backward reads the newest x_{i,s}, as `staged_pass` always has it read, and the
-    update applies to that same version in the same atomic write, so it is `local_step` on the
-    newest params with the gradient computed in place. Returns `(new params, dx)`."""
-    replica = self.replicas[i]
-    order, so_far = self._open_checks[i]
-    with self._locks[i][s]:
-      replica.params[s], replica.opt_state[s], so_far, dx = self.steps.backward_update[s](
-          vjp, (replica.params[s], x), dy, replica.opt_state[s], step, so_far, tied_grad)
-      new_params = replica.params[s]
-    order.append(s)
-    self._open_checks[i] = (order, so_far)
-    return new_params, dx
-
-  def local_steps(self, i: int, step: jax.Array) -> "StoreLocalSteps":
-    """`staged_pass`'s `local_step` for device i's iteration at the run's `step`."""
-    return StoreLocalSteps(self, i, step)
+  def device_stages(self, i: int, step: jax.Array, fused: bool) -> "DeviceStages":
+    """`stages.StageOps` of device i for an iteration at the run's `step`: each stage program
+    an atomic write of the replica; with `fused`, the local updates in the loss and backward
+    programs."""
+    return DeviceStages(self, i, step, fused)
 
   def take(self, i: int, s: int, halve: bool) -> tuple[PyTree, float | None]:
     """Stage s of device i as it is now, to send, and (`halve`: per-stage push-sum) the amount
@@ -249,17 +254,64 @@ class ReplicaStore:
 
   def merge(self, j: int, s: int, received: PyTree, sent: float, add_weight: bool) -> PyTree:
     """Paper Algorithm 1, peer update: `x_{j,s} <- (w_j x_{j,s} + a x_{i,s}) / (w_j + a)` for a
-    received stage (on device j, computed) that carries weight `sent`; with `add_weight`
-    (per-stage push-sum) also `w_{j,s} += a`, in the same atomic write. Returns the merged
-    stage."""
+    received stage (on device j, computed) that carries weight `sent`. With `add_weight`
+    (per-stage push-sum) it goes to the stage's inbox, and the stage's next forward mixes it in
+    and adds a to w_{j,s} (module docstring); without (per-model weights, added after the last
+    stage) it is merged now by a program of its own. Returns an array that is ready once the
+    stage is on device j."""
     with self._writing(j, s):
-      share = np.float32(self.weights.receiver_share(j, s, sent))
-      merged = self.merge_fn(self._mixed_part(j, s), received, share)
-      self._store_mixed_part(j, s, merged)
-      if add_weight:
-        self.weights.add(j, s, sent)
-    self._merges_into[j].append(jax.tree.leaves(merged)[0])
-    return merged
+      if not (add_weight and self.defer_merges):
+        landed = self._merge_now(j, s, received, sent, add_weight)
+      else:
+        if self._inbox[j][s] is not None:  # at most one waits: the earlier one goes in now
+          self._merge_waiting_one(j, s)
+        self._inbox[j][s] = (received, sent)
+        landed = jax.tree.leaves(received)[0]
+    self._merges_into[j].append(landed)
+    return landed
+
+  def _merge_now(self, j: int, s: int, received: PyTree, sent: float,
+                 add_weight: bool = True) -> jax.Array:
+    """The merge as a program of its own (the caller holds `_writing(j, s)`)."""
+    share = np.float32(self.weights.receiver_share(j, s, sent))
+    merged = self.merge_fn(self._mixed_part(j, s), received, share)
+    self._store_mixed_part(j, s, merged)
+    if add_weight:
+      self.weights.add(j, s, sent)
+    return jax.tree.leaves(merged)[0]
+
+  def merge_waiting(self) -> None:
+    """Merges every received stage still in an inbox (at a consistent point, or between
+    iterations in the serial mode), each by a program of its own."""
+    for j in range(self.num_devices):
+      for s in range(self.num_stages):
+        if self._inbox[j][s] is not None:
+          with self._writing(j, s):
+            if self._inbox[j][s] is not None:
+              self._merge_waiting_one(j, s)
+
+  def _merge_waiting_one(self, j: int, s: int) -> None:
+    """Merges the received stage waiting for (j, s) by a program of its own (the caller holds
+    `_writing(j, s)`); the merge, computed after the copy, now marks its send as pending."""
+    received, sent = self._inbox[j][s]
+    self._inbox[j][s] = None
+    merged = self._merge_now(j, s, received, sent)
+    pending, copy = self._merges_into[j], jax.tree.leaves(received)[0]
+    for n, leaf in enumerate(pending):
+      if leaf is copy:
+        pending[n] = merged
+        return
+    pending.append(merged)
+
+  def _take_inbox(self, i: int, s: int) -> tuple | None:
+    """The received stage waiting for (i, s), removed, with the receiver's share
+    `w_{i,s} / (w_{i,s} + a)` (the caller holds the stage's locks and adds the amount)."""
+    held = self._inbox[i][s]
+    if held is None:
+      return None
+    self._inbox[i][s] = None
+    received, amount = held
+    return received, np.float32(self.weights.receiver_share(i, s, amount)), amount
 
   def pending_merges(self, j: int) -> int:
     """How many merges into device j are dispatched and not yet computed, as far as seen: the
@@ -274,8 +326,9 @@ class ReplicaStore:
     return len(pending)
 
   def settle(self) -> None:
-    """Waits until every merge dispatched so far is computed and drops its output (at a
-    consistent point: no thread is sending)."""
+    """Merges what waits in the inboxes, waits until every merge dispatched so far is
+    computed and drops its output (at a consistent point: no task is sending)."""
+    self.merge_waiting()
     for pending in self._merges_into:
       jax.block_until_ready(list(pending))
       pending.clear()
@@ -296,18 +349,18 @@ class ReplicaStore:
       for s, amount in enumerate(amounts):
         self.weights.add(j, s, amount)
 
-  def average_pair(self, i: int, j: int, s: int) -> None:
+  def average_pair(self, i: int, j: int, s: int) -> Task:
     """AD-PSGD's pairwise average of stage s: `x_i, x_j <- (x_i + x_j) / 2`.
 
     Both versions are read together, waited for (the average needs both models computed; the
-    calling thread waits, no device does), copied across, and each side then receives the
+    calling task waits, no device does), copied across, and each side then receives the
     correction `(other - mine) / 2` on its newest version (`pushsum.toward_average`), so the
     sum of the two models is kept whatever landed meanwhile.
     """
     first, second = sorted((i, j))
     with self._locks[first][s], self._locks[second][s]:
       mine, theirs = self._mixed_part(i, s), self._mixed_part(j, s)
-    jax.block_until_ready((mine, theirs))
+    yield Ready((mine, theirs))
     theirs_here = transfer.to_device(theirs, self.device(i))
     mine_there = transfer.to_device(mine, self.device(j))
     self.correct_toward(i, s, mine, theirs_here)
@@ -326,6 +379,7 @@ class ReplicaStore:
     replica = self.replicas[i]
     for s in range(self.num_stages):
       with self._locks[i][s], self._state_locks[i][s]:
+        self._inbox[i][s] = None  # a reset replaces what a send brought too
         replica.params[s] = params[s]
         if state is not None:
           replica.state[s] = state[s]
@@ -369,7 +423,7 @@ class ReplicaStore:
 
   def compile_writes(self, i: int, step: jax.Array, grads: Sequence[PyTree] | None) -> list:
     """Runs the update (with `grads`, one per stage; None: fused local steps, whose updates
-    `compile_local_steps` runs) and the merge once per stage on device i, leaving the replica
+    `compile_stages` runs) and the merge once per stage on device i, leaving the replica
     as it is; returns the outputs to wait for."""
     replica = self.replicas[i]
     outputs = []
@@ -381,10 +435,11 @@ class ReplicaStore:
       outputs.append(self.merge_fn(part, _copy(part), np.float32(0.5)))
     return outputs
 
-  def compile_local_steps(self, i: int, step: jax.Array, outputs: list) -> "CompileLocalSteps":
-    """A `local_step` for `staged_pass` that runs the fused backward-and-update functions on
-    device i without changing the replica, appending their outputs to `outputs`."""
-    return CompileLocalSteps(self, i, step, outputs)
+  def compile_stages(self, i: int, step: jax.Array, fused: bool, mixes: bool,
+                     outputs: list) -> "CompileStages":
+    """`stages.StageOps` that runs device i's stage programs once each without changing the
+    replica, appending their outputs to `outputs` (with `mixes`, the mixing forms too)."""
+    return CompileStages(self, i, step, fused, mixes, outputs)
 
   def compile_pair_average(self) -> list:
     """Runs `average_pair`'s correction once per stage on every device."""
@@ -438,44 +493,135 @@ class ReplicaStore:
     return source
 
 
-@dataclasses.dataclass(frozen=True)
-class StoreLocalSteps:
-  """Device i's local updates dispatched from its backward pass (`stages.LocalStep`)."""
+class DeviceStages:
+  """Device i's stage programs for one iteration (`stages.StageOps`), each an atomic write of
+  its replica: the program reads the stage's newest version and its result is stored under the
+  stage's lock(s). With `fused`, the loss program and each backward also apply the stage's
+  local update (Algorithm 1's local update on the newest x_{i,s}, the gradient never a separate
+  array) and return the updated params, and they first mix in a received stage waiting in the
+  stage's inbox (`ReplicaStore.merge`), in the same program; else they return the gradient,
+  which the updater applies."""
 
-  store: ReplicaStore
-  i: int
-  step: jax.Array
+  def __init__(self, store: ReplicaStore, i: int, step: jax.Array, fused: bool):
+    self.store, self.i, self.step, self.fused = store, i, step, fused
+    self.replica = store.replicas[i]
+    self.steps = store.steps
+
+  def read(self, s):
+    return self.replica.params[s]
+
+  def forward(self, s, x, key, iteration):
+    store, replica = self.store, self.replica
+    if not store._has_state[s]:  # writes nothing: no lock
+      y, _, vjp = self.steps.forward[s](replica.params[s], replica.state[s], x, key, iteration)
+      return y, vjp
+    with store._state_locks[self.i][s]:
+      y, replica.state[s], vjp = self.steps.forward[s](replica.params[s], replica.state[s], x,
+                                                       key, iteration)
+    return y, vjp
+
+  def loss(self, x, labels, key, iteration):
+    store, i, replica, steps = self.store, self.i, self.replica, self.steps
+    s = store.num_stages - 1
+    if not self.fused:
+      with store._stage_locks(i, s, params=False, state=store._has_state[s]):
+        value, new_state, grads, dx = steps.loss(replica.params[s], replica.state[s], x,
+                                                 labels, key, iteration)
+        replica.state[s] = new_state
+      return value, grads, dx
+    with store._stage_locks(i, s, params=True, state=store._has_state[s]):
+      held = store._take_inbox(i, s)
+      order, so_far = store._open_checks[i]
+      args = (x, labels, key, iteration, replica.opt_state[s], self.step, so_far)
+      if held is None:
+        out = steps.loss_update(replica.params[s], replica.state[s], *args)
+      else:
+        out = steps.loss_update_mix(replica.params[s], replica.state[s], *held[:2], *args)
+        store.weights.add(i, s, held[2])
+      value, replica.state[s], replica.params[s], replica.opt_state[s], so_far, dx = out
+      new_params = replica.params[s]
+    order.append(s)
+    store._open_checks[i] = (order, so_far)
+    return value, new_params, dx
 
   def backward(self, s, vjp, x, dy, tied_grad):
-    return self.store.backward_step(self.i, s, vjp, x, dy, tied_grad, self.step)
+    store, i, replica, steps = self.store, self.i, self.replica, self.steps
+    if not self.fused:
+      grads, dx = steps.backward[s](vjp, (replica.params[s], x), dy)
+      if tied_grad is not None:
+        grads = steps.add_tied[s](grads, tied_grad)
+      return grads, dx
+    order, so_far = store._open_checks[i]
+    mixing = store._inbox[i][s] is not None  # one arriving now waits for the next program
+    with store._stage_locks(i, s, params=True, state=mixing and store._merge_state[s]):
+      held = store._take_inbox(i, s) if mixing else None
+      args = (vjp, (replica.params[s], x), dy, replica.opt_state[s], self.step, so_far,
+              tied_grad)
+      if held is None:
+        replica.params[s], replica.opt_state[s], so_far, dx = steps.backward_update[s](*args)
+      else:
+        replica.params[s], replica.opt_state[s], so_far, dx, state = steps.backward_update_mix[
+            s](*args, replica.state[s], *held[:2])
+        replica.state[s] = state
+        store.weights.add(i, s, held[2])
+      new_params = replica.params[s]
+    order.append(s)
+    store._open_checks[i] = (order, so_far)
+    return new_params, dx
 
-  def apply(self, s, grads):
-    return self.store.local_step(self.i, s, grads, self.step)
 
+class CompileStages:
+  """Device i's stage programs run once each on copies (donated arguments), the replica
+  unchanged: the plain ones, and with `mixes` those that mix a received stage in (a copy of
+  the stage's own version stands for it). Outputs are appended to `outputs`."""
 
-@dataclasses.dataclass(frozen=True)
-class CompileLocalSteps:
-  """The fused functions, and the loss stage's update, run once on copies (donated
-  arguments), the replica unchanged."""
+  def __init__(self, store: ReplicaStore, i: int, step: jax.Array, fused: bool, mixes: bool,
+               outputs: list):
+    self.store, self.i, self.step, self.fused = store, i, step, fused
+    self.mixes, self.outputs = mixes and fused, outputs
+    self.replica, self.steps = store.replicas[i], store.steps
+    self.no_check = store._no_check[i]
 
-  store: ReplicaStore
-  i: int
-  step: jax.Array
-  outputs: list
+  def read(self, s):
+    return self.replica.params[s]
+
+  def _received(self, s):
+    return _copy(self.store._mixed_part(self.i, s)), np.float32(0.5)
+
+  def forward(self, s, x, key, iteration):
+    y, new_state, vjp = self.steps.forward[s](self.replica.params[s], self.replica.state[s], x,
+                                              key, iteration)
+    self.outputs.append(new_state)
+    return y, vjp
+
+  def loss(self, x, labels, key, iteration):
+    s = self.store.num_stages - 1
+    params, state = self.replica.params[s], self.replica.state[s]
+    if not self.fused:
+      value, new_state, grads, dx = self.steps.loss(params, state, x, labels, key, iteration)
+      self.outputs += [value, new_state]
+      return value, grads, dx
+    args = lambda: (x, labels, key, iteration, _copy(self.replica.opt_state[s]), self.step,
+                    self.no_check)
+    value, new_state, new_params, *rest, dx = self.steps.loss_update(params, state, *args())
+    self.outputs += [value, new_state, new_params, *rest]
+    if self.mixes:
+      self.outputs.append(self.steps.loss_update_mix(params, state, *self._received(s),
+                                                     *args()))
+    return value, new_params, dx
 
   def backward(self, s, vjp, x, dy, tied_grad):
-    replica = self.store.replicas[self.i]
-    opt_state = _copy(replica.opt_state[s])
-    params, opt_state, so_far, dx = self.store.steps.backward_update[s](
-        vjp, (replica.params[s], x), dy, opt_state, self.step, self.store._no_check[self.i],
-        tied_grad)
-    self.outputs.extend([params, opt_state, so_far])
-    return params, dx
-
-  def apply(self, s, grads):
-    replica = self.store.replicas[self.i]
-    opt_state = _copy(replica.opt_state[s])
-    params, opt_state, so_far = self.store.update(replica.params[s], opt_state, grads,
-                                                  self.step, self.store._no_check[self.i])
-    self.outputs.extend([params, opt_state, so_far])
-    return params
+    params = self.replica.params[s]
+    if not self.fused:
+      grads, dx = self.steps.backward[s](vjp, (params, x), dy)
+      if tied_grad is not None:
+        grads = self.steps.add_tied[s](grads, tied_grad)
+      return grads, dx
+    args = lambda: (vjp, (params, x), dy, _copy(self.replica.opt_state[s]), self.step,
+                    self.no_check, tied_grad)
+    if self.mixes:
+      self.outputs.append(self.steps.backward_update_mix[s](*args(), self.replica.state[s],
+                                                            *self._received(s)))
+    new_params, opt_state, so_far, dx = self.steps.backward_update[s](*args())
+    self.outputs += [new_params, opt_state, so_far]
+    return new_params, dx

@@ -75,7 +75,7 @@ def _restore(config, runtime, dataset, checkpoints: Checkpoints) -> tuple[int, f
   def template_of(where):
     def template(meta):
       check_compatible(meta["config"], current, where)
-      return runtime.restore_template(meta["runtime"])
+      return runtime.checkpoint.restore_template(meta["runtime"])
     return template
 
   restored = checkpoints.restore(template_of(checkpoints.directory))
@@ -92,7 +92,7 @@ def _restore(config, runtime, dataset, checkpoints: Checkpoints) -> tuple[int, f
   if restored is None:
     return None
   step, arrays, meta = restored
-  runtime.load_state_dict(arrays, meta["runtime"])
+  runtime.checkpoint.load_state_dict(arrays, meta["runtime"])
   _restore_data(dataset, meta["data"], step)
   logging.warning("resumed from the checkpoint %s/%d (step %d)", source, step, step)
   return step, float(meta["train_time_s"])
@@ -130,10 +130,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
   flops_per_iteration, peak = None, flops.peak_flops(devices[0])
 
   def samples_per_s() -> float:
-    return sum(runtime.iterations_per_device()) * config.data.batch_size / max(train_time, 1e-9)
+    return sum(runtime.stats.iterations_per_device()) * config.data.batch_size / max(train_time, 1e-9)
 
   def throughput() -> dict[str, Any]:
-    return measurements.throughput(runtime.iterations_per_device(), config.data.batch_size,
+    return measurements.throughput(runtime.stats.iterations_per_device(), config.data.batch_size,
                                    train_time, flops_per_iteration, peak)
 
   latencies: list[list[float]] | None = None  # every sample of this process, per stage
@@ -141,23 +141,23 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
 
   def stage_latencies() -> list[float | None] | None:
     nonlocal latencies
-    recent = runtime.stage_latencies()
+    recent = runtime.stats.stage_latencies()
     if recent is not None:
       latencies = [old + new for old, new in zip(latencies or [[] for _ in recent], recent)]
     return measurements.stage_latency_ms(recent)
 
   def evaluate(step: int, write: bool = True) -> dict[str, Any]:  # process 0 only
-    train_loss = runtime.train_loss()
-    sums = runtime.weight_sums()
+    train_loss = runtime.stats.train_loss()
+    sums = runtime.stats.weight_sums()
     common = {"step": step, "time_s": train_time, "weight_sum_min": min(sums),
               "weight_sum_max": max(sums)}
     if step > 0 and write:
       writer.write({**common, "split": "train", "loss": train_loss,
                     "samples_per_s": samples_per_s(), **throughput(),
                     "stage_update_latency_ms": stage_latencies(),
-                    "skipped_steps": runtime.skipped_steps()})
-    remote_latencies.extend(runtime.remote_send_latencies())
-    record = {**common, "split": "test", **evaluator.evaluate(runtime.snapshot())}
+                    "skipped_steps": runtime.stats.skipped_steps()})
+    remote_latencies.extend(runtime.stats.remote_send_latencies())
+    record = {**common, "split": "test", **evaluator.evaluate(runtime.stats.snapshot())}
     if dataset.kind == "language_model":  # accuracy is next-token accuracy
       record["perplexity"] = math.exp(min(record["loss"], 50.0))
     if write:
@@ -171,16 +171,16 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     if step == saved_step:
       return
     saved_step = step
-    arrays, runtime_meta = runtime.state_dict()
+    arrays, runtime_meta = runtime.checkpoint.state_dict()
     checkpoints.save(step, arrays, {
         "step": step, "train_time_s": train_time, "runtime": runtime_meta,
         "data": distributed.data_states(dataset.train, devices),
         "config": config.to_json_best_effort(), "saved_at": time.time()},
-        arrays_stay_valid=not runtime.donates_buffers)
+        arrays_stay_valid=runtime.checkpoint.arrays_stay_valid)
 
   try:
     if config.checkpoint.enabled:
-      checkpointing.check_storage(workdir, checkpointing.tree_bytes(runtime.state_dict()[0]),
+      checkpointing.check_storage(workdir, checkpointing.tree_bytes(runtime.checkpoint.state_dict()[0]),
                                   config.checkpoint.keep)
       checkpoints = Checkpoints(workdir / "checkpoints", config.checkpoint.keep,
                                 config.checkpoint.async_save)
@@ -201,7 +201,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     # gossip runtime across processes), else every device's.
     per_step = runtime.num_devices
     if start_step == 0:
-      runtime.collect()
+      runtime.stats.collect()
     record = evaluate(0) if start_step == 0 and primary else None
     checkpoint_at = set(_checkpoint_steps(num_steps, config.checkpoint.every)
                         if checkpoints else [])
@@ -230,7 +230,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
           stopped = True
           break
         if target in evaluate_at:
-          runtime.collect()
+          runtime.stats.collect()
         if target in evaluate_at and primary:
           record = evaluate(step)
           bar.set_postfix(acc=f"{record['accuracy']:.3f}", loss=f"{record['loss']:.3f}")
@@ -247,7 +247,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
               "checkpoint": str(checkpoints.directory / str(step))
               if checkpoints is not None and step in checkpoints.steps() else None}
     if 0 < num_steps <= start_step:  # resumed from the final checkpoint: evaluate, write nothing
-      runtime.collect()
+      runtime.stats.collect()
       if primary:
         record = evaluate(num_steps, write=False)
     if checkpoints is not None:
@@ -277,7 +277,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
       "wall_time_s": train_time,
       "compile_s": compile_s,
       "train_samples_per_s": samples_per_s(),
-      "skipped_steps": runtime.skipped_steps(),
+      "skipped_steps": runtime.stats.skipped_steps(),
       "stage_update_latency_ms": measurements.stage_latency_ms(latencies),
       "remote_send_latency_ms": measurements.send_latency_ms(remote_latencies),
       "flops_per_iteration": flops_per_iteration,

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from layup_jax import nonfinite
+from layup_jax import nonfinite, pushsum
 from layup_jax.packing import StagePacking, pack_residuals, unpack_residuals
 
 PyTree = Any
@@ -235,6 +235,19 @@ class StageSteps:
                         the stage's local update in one program (with `update`; else empty),
                         so the gradient is never a separate array; `tied_grad` is None but
                         for a tie's owner. The Optax state is donated.
+  loss_update:          (params, state, x, labels, stage_key, iteration, opt_state, step,
+                        first_nonfinite) -> (loss, new_state, new params, new opt_state,
+                        first_nonfinite, dx): the loss stage's forward, backward and update in
+                        one program (with `update`).
+  backward_update_mix[s], loss_update_mix (with `update` and `merge_state`): the same
+                        programs with a peer's received stage mixed into the stage first
+                        (`pushsum.merge`), so that no merge program of its own is needed:
+                        backward_update_mix takes `(..., tied_grad, state, received,
+                        receiver_share)` and also returns the stage's state (mixed where it
+                        travels); loss_update_mix takes `(params, state, received,
+                        receiver_share, ...)`. `received` is the peer's params, or
+                        `(params, state)` where the stage's BatchNorm state travels
+                        (`merge_state[s]`).
   `vjp` is a `PackedResiduals`: with `packings` the VJP's arrays in one buffer per dtype.
   A consumer stage's `x` and `dx` are `(activation, tied array)` pairs. Stages whose modules are
   equal (the repeated blocks of a ResNet or GPT-2) share one jitted function, so each compiles
@@ -248,19 +261,33 @@ class StageSteps:
   add_tied: dict[int, Callable]
   read_tied: dict[int, Callable] = dataclasses.field(default_factory=dict)
   backward_update: tuple[Callable, ...] = ()
+  loss_update: Callable | None = None
+  backward_update_mix: tuple[Callable, ...] = ()
+  loss_update_mix: Callable | None = None
+
+
+def mix_received(params: PyTree, state: PyTree, received: PyTree, share: jax.Array,
+                 merge_state: bool) -> tuple[PyTree, PyTree]:
+  """Paper Algorithm 1's peer update (`pushsum.merge`) of a stage with a received one:
+  `(params, state)`, the state mixed too where it travels (`merge_state`)."""
+  if merge_state:
+    return pushsum.merge((params, state), received, share)
+  return pushsum.merge(params, received, share), state
 
 
 def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
                      packings: Sequence[StagePacking] | None = None,
                      state_packings: Sequence[StagePacking | None] | None = None,
-                     remat: str = "none", update: Callable | None = None) -> StageSteps:
+                     remat: str = "none", update: Callable | None = None,
+                     merge_state: Sequence[bool] | None = None) -> StageSteps:
   """The jitted per-stage functions; `keep_finite_state` keeps a stage's old BatchNorm
   statistics wherever a batch made the new ones non-finite (for skipped non-finite steps);
   `packings` (one per stage) makes them take and return flat params and gradients, and
   `state_packings` flat state (None for a stage without state); `remat` names what a forward
   keeps for its backward (`REMAT_POLICIES`); `update(params, opt_state, grads, step,
   first_nonfinite) -> (params, opt_state, first_nonfinite)`, a stage's local step, adds the
-  fused `backward_update` functions."""
+  fused `backward_update` and `loss_update` functions; `merge_state` (per stage: whether its
+  BatchNorm state travels with a send) adds the `*_mix` functions."""
   if remat not in REMAT_POLICIES:
     raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
   last = model.num_stages - 1
@@ -281,10 +308,10 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
     try:
       key = (module, packings[s] if packings else None, layouts[s])
       if key not in forwards:
-        forwards[key] = make_forward(s)
+        forwards[key] = jax.jit(make_forward(s))
       return forwards[key]
     except TypeError:  # an unhashable module (say, one holding a list) gets its own function
-      return make_forward(s)
+      return jax.jit(make_forward(s))
 
   def make_forward(s):
     module, unpack_params = model.modules[s], unpack[s]
@@ -299,7 +326,7 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
       residuals = pack_residuals(vjp, (params, x), packed_up_to)
       return y, guard_state(pack_st(new_state), state), residuals
 
-    return jax.jit(forward)
+    return forward
 
   def backward(vjp, inputs, dy):
     return unpack_residuals(vjp, inputs)(dy)
@@ -325,7 +352,7 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   def make_read_tied(tie):
     return jax.jit(lambda params: tree_get(unpack[tie.owner](params), tie.path))
 
-  def make_backward_update(s):
+  def make_backward_update(s, mix):
     tie = next((t for t in model.ties if t.owner == s), None)
 
     def backward_update(vjp, inputs, dy, opt_state, step, first_nonfinite, tied_grad):
@@ -336,124 +363,141 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
                                                   first_nonfinite)
       return params, opt_state, first_nonfinite, (None if s == 0 else dx)
 
+    def backward_update_mix(vjp, inputs, dy, opt_state, step, first_nonfinite, tied_grad,
+                            state, received, share):
+      params, state = mix_received(inputs[0], state, received, share, merge_state[s])
+      return (*backward_update(vjp, (params, inputs[1]), dy, opt_state, step, first_nonfinite,
+                               tied_grad), state)
+
+    if mix:
+      return jax.jit(backward_update_mix, donate_argnums=(3,))
     return jax.jit(backward_update, donate_argnums=(3,))
 
-  fused: dict[tuple[bool, int | None], Callable] = {}
+  fused: dict[tuple, Callable] = {}
 
-  def shared_backward_update(s):  # one function for every stage but the first and tie owners
-    key = (s == 0, s if any(t.owner == s for t in model.ties) else None)
+  def shared_backward_update(s, mix: bool = False):  # one for every stage but the first and
+    key = (s == 0, s if any(t.owner == s for t in model.ties) else None,  # tie owners
+           mix, mix and merge_state[s])
     if key not in fused:
-      fused[key] = make_backward_update(s)
+      fused[key] = make_backward_update(s, mix)
     return fused[key]
 
+  def loss_update(params, state, x, labels, key, iteration, opt_state, step, first_nonfinite):
+    value, new_state, grads, dx = loss(params, state, x, labels, key, iteration)
+    params, opt_state, first_nonfinite = update(params, opt_state, grads, step, first_nonfinite)
+    return value, new_state, params, opt_state, first_nonfinite, dx
+
+  def loss_update_mix(params, state, received, share, *rest):
+    return loss_update(*mix_received(params, state, received, share, merge_state[last]), *rest)
+
+  mixes = merge_state is not None
   backward_jit, first_backward_jit = jax.jit(backward), jax.jit(first_backward)
   return StageSteps(
       backward_update=(tuple(shared_backward_update(s) for s in range(last)) if update
                        else ()),
       forward=tuple(shared_forward(s) for s in range(last)),
       loss=jax.jit(loss),
+      loss_update=jax.jit(loss_update, donate_argnums=(6,)) if update else None,
+      backward_update_mix=(tuple(shared_backward_update(s, mix=True) for s in range(last))
+                           if mixes and update else ()),
+      loss_update_mix=(jax.jit(loss_update_mix, donate_argnums=(8,)) if mixes and update
+                       else None),
       backward=tuple(first_backward_jit if s == 0 else backward_jit for s in range(last)),
       add_tied={tie.owner: make_add_tied(tie) for tie in model.ties},
       read_tied=({tie.consumer: make_read_tied(tie) for tie in model.ties} if packings else {}),
   )
 
 
-def staged_pass(
-    model: StagedModel,
-    steps: StageSteps,
-    read_params: Callable[[int], PyTree],
-    with_state: Callable[[int, Callable[[PyTree], tuple[Any, PyTree]]], Any],
-    x: jax.Array,
-    labels: jax.Array,
-    stage_keys: Sequence[jax.Array],
-    iteration: jax.Array,
-    emit: Callable[[int, PyTree], None],
-    on_stage: Callable[[int], None] = lambda stage_idx: None,
-    local_step: "LocalStep | None" = None,
-):
+class StageOps(Protocol):
+  """One device's stage programs as `staged_pass` dispatches them: the runtime's replica store
+  makes each an atomic read-dispatch-store of the device's replica (`DeviceStages` in
+  layup_jax/replicas.py); `FixedStages` runs them on given params."""
+
+  def read(self, s: int) -> PyTree:
+    """Stage s's params as they are now."""
+
+  def forward(self, s: int, x: PyTree, key: jax.Array, iteration: jax.Array) -> tuple:
+    """Stage s's forward (its new BatchNorm state stored): `(y, vjp)`."""
+
+  def loss(self, x: PyTree, labels: jax.Array, key: jax.Array, iteration: jax.Array) -> tuple:
+    """The loss stage: `(loss, its gradient or its updated params, dx)`."""
+
+  def backward(self, s: int, vjp: PyTree, x: PyTree, dy: PyTree,
+               tied_grad: PyTree | None) -> tuple:
+    """Stage s's backward (with a tie owner's `tied_grad` added): `(its gradient or its
+    updated params, dx)`."""
+
+
+def staged_pass(model: StagedModel, steps: StageSteps, ops: StageOps, x: jax.Array,
+                labels: jax.Array, stage_keys: Sequence[jax.Array], iteration: jax.Array,
+                emit: Callable[[int, PyTree], None],
+                on_stage: Callable[[int], None] = lambda stage_idx: None):
   """One forward and backward pass, dispatched stage by stage (paper Algorithm 1, compute side).
 
-  `read_params(s)` is called when stage s's forward and its backward are dispatched, so each uses
-  the freshest params. `with_state(s, forward)` calls `forward(state of stage s)`, which returns
-  `(outputs, new state)`, stores the new state and returns the outputs: the runtime makes that
-  one atomic write of the replica (`ReplicaStore.run_forward`), `states_in` a list. `emit(s,
-  grads)` is called as soon as stage s's gradient is dispatched, last stage first;
-  `stage_keys[s]` is `stage_key(key, s)`. Returns `(loss, grads of stage 0)`.
-
-  With `local_step`, each stage's local update is dispatched here, as its gradient appears:
-  the loss stage's right after the loss program (`local_step.apply`), every other stage's in
-  the same program as its backward (`local_step.backward`); `emit` then gets the updated params
-  and the return value holds stage 0's.
+  Each stage's params are read when its forward and its backward are dispatched, so each uses
+  the freshest ones (the paper's "backward pass on different weights", Section 6.1). `emit(s,
+  out)` is called as soon as stage s's backward is dispatched, last stage first, with what
+  `ops` returned for it (its gradient, or its updated params where `ops` applies the local
+  update in the backward's program); `stage_keys[s]` is `stage_key(key, s)`. Returns `(loss,
+  stage 0's out)`.
   """
   last = model.num_stages - 1
   vjps, inputs = [], []
 
   def stage_input(s: int, x: PyTree) -> PyTree:
     if s in steps.read_tied:  # packed params: the tied array is cut out on the device
-      return x, steps.read_tied[s](read_params(model.tie_of(s).owner))
-    return model.stage_input(s, x, read_params)
-
-  def forward(s: int, x_in: PyTree) -> Callable[[PyTree], tuple[Any, PyTree]]:
-    def run(state: PyTree) -> tuple[Any, PyTree]:
-      y, new_state, vjp = steps.forward[s](read_params(s), state, x_in, stage_keys[s], iteration)
-      return (y, vjp), new_state
-    return run
-
-  def loss_forward(x_in: PyTree) -> Callable[[PyTree], tuple[Any, PyTree]]:
-    def run(state: PyTree) -> tuple[Any, PyTree]:
-      loss, new_state, grads, dx = steps.loss(read_params(last), state, x_in, labels,
-                                              stage_keys[last], iteration)
-      return (loss, grads, dx), new_state
-    return run
+      return x, steps.read_tied[s](ops.read(model.tie_of(s).owner))
+    return model.stage_input(s, x, ops.read)
 
   for s in range(last):
     on_stage(s)
     x_in = stage_input(s, x)
-    x, vjp = with_state(s, forward(s, x_in))
+    x, vjp = ops.forward(s, x_in, stage_keys[s], iteration)
     vjps.append(vjp)
     inputs.append(x_in)  # given to its backward again: the residuals hold no copy
   on_stage(last)
-  loss, grads, dx = with_state(last, loss_forward(stage_input(last, x)))
+  loss, out, dx = ops.loss(stage_input(last, x), labels, stage_keys[last], iteration)
   tied_grads = {}
   for s in reversed(range(last + 1)):
     if s < last:
       on_stage(s)
-      # The stage's params as they are now: updates that landed since its forward are used
-      # (the paper's "backward pass on different weights", Section 6.1), and no superseded
-      # copy of them is kept for the backward.
-      if local_step is None:
-        grads, dx = steps.backward[s](vjps[s], (read_params(s), inputs[s]), dx)
-      else:
-        grads, dx = local_step.backward(s, vjps[s], inputs[s], dx, tied_grads.pop(s, None))
+      out, dx = ops.backward(s, vjps[s], inputs[s], dx, tied_grads.pop(s, None))
       vjps[s] = inputs[s] = None  # drop the residuals as soon as they are used
-    elif local_step is not None:
-      grads = local_step.apply(s, grads)
     tie = model.tie_of(s)
     if tie is not None:
       dx, tied_grads[tie.owner] = dx
-    if s in tied_grads:
-      grads = steps.add_tied[s](grads, tied_grads.pop(s))
-    emit(s, grads)
-  return loss, grads
+    emit(s, out)
+  return loss, out
 
 
-class LocalStep(Protocol):
-  """Where `staged_pass` dispatches the local updates (the runtime's replica store)."""
+@dataclasses.dataclass
+class FixedStages:
+  """`StageOps` on given per-stage params (never changed) and states (replaced as the
+  forwards compute new ones): gradients, no updates."""
 
-  def backward(self, s: int, vjp: PyTree, x: PyTree, dy: PyTree,
-               tied_grad: PyTree | None) -> tuple[PyTree, PyTree]:
-    """Stage s's backward and local update in one program: `(new params, dx)`."""
+  steps: StageSteps
+  params: Sequence[PyTree]
+  states: list[PyTree]
 
-  def apply(self, s: int, grads: PyTree) -> PyTree:
-    """Stage s's local update with `grads`: the new params."""
+  def read(self, s):
+    return self.params[s]
 
+  def forward(self, s, x, key, iteration):
+    y, self.states[s], vjp = self.steps.forward[s](self.params[s], self.states[s], x, key,
+                                                   iteration)
+    return y, vjp
 
-def states_in(states: list[PyTree]) -> Callable[[int, Callable], Any]:
-  """`with_state` for `staged_pass` over a plain list of per-stage states (replaced in place)."""
-  def with_state(s: int, forward: Callable[[PyTree], tuple[Any, PyTree]]) -> Any:
-    outputs, states[s] = forward(states[s])
-    return outputs
-  return with_state
+  def loss(self, x, labels, key, iteration):
+    last = len(self.params) - 1
+    value, self.states[last], grads, dx = self.steps.loss(self.params[last], self.states[last],
+                                                          x, labels, key, iteration)
+    return value, grads, dx
+
+  def backward(self, s, vjp, x, dy, tied_grad):
+    grads, dx = self.steps.backward[s](vjp, (self.params[s], x), dy)
+    if tied_grad is not None:
+      grads = self.steps.add_tied[s](grads, tied_grad)
+    return grads, dx
 
 
 def staged_value_and_grad(model: StagedModel, steps: StageSteps, params, state, x, labels, key,
@@ -463,8 +507,7 @@ def staged_value_and_grad(model: StagedModel, steps: StageSteps, params, state, 
   Returns `(loss, grads per stage, new state per stage)`: the reference that tests compare with
   `jax.grad` of the composed model.
   """
-  grads, new_state = [None] * model.num_stages, list(state)
+  grads, ops = [None] * model.num_stages, FixedStages(steps, params, list(state))
   keys = [stage_key(key, s) for s in range(model.num_stages)]
-  loss, _ = staged_pass(model, steps, params.__getitem__, states_in(new_state), x, labels, keys,
-                        iteration, grads.__setitem__)
-  return loss, grads, new_state
+  loss, _ = staged_pass(model, steps, ops, x, labels, keys, iteration, grads.__setitem__)
+  return loss, grads, ops.states

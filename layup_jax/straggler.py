@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from layup_jax.scheduler import Ready, Sleep, Task
+
 MODES = ("host", "device")
 _BUSY_SIZE = 64  # the delay program multiplies 64x64 matrices: one unit of device work
 _CALIBRATION_S = 0.02  # the delay program is timed on runs at least this long
@@ -71,11 +73,11 @@ class DelayProgram:
     self.units_dispatched += units
     return self._busy(self._x, np.int32(units))
 
-  def drain(self) -> None:
-    """Returns once the device has run everything dispatched to it before this call: a device
-    runs its programs in dispatch order, so a one-unit program's result marks the queue's end
-    (an iteration's own outputs cannot: later steps donate them)."""
-    self._busy(self._x, np.int32(1)).block_until_ready()
+  def drain(self) -> jax.Array:
+    """An array that is ready once the device has run everything dispatched to it before this
+    call: a device runs its programs in dispatch order, so a one-unit program's result marks
+    the queue's end (an iteration's own outputs cannot: later steps donate them)."""
+    return self._busy(self._x, np.int32(1))
 
 
 class IterationClock:
@@ -107,10 +109,10 @@ class IterationClock:
   WARMUP = 4
   WINDOW = 8
   _OBSERVATIONS = 5
-  # The host's clock and the wait for a device's outputs (tests put a simulated device's here,
-  # with a simulated `DelayProgram`: timings on a shared CPU are not reproducible).
+  # The host's clock (tests put a simulated device's here, with a simulated `DelayProgram`, and
+  # drive the clock's tasks with that device's waits: timings on a shared CPU are not
+  # reproducible).
   now: Callable[[], float] = staticmethod(time.perf_counter)
-  wait: Callable[[Any], Any] = staticmethod(jax.block_until_ready)
 
   def __init__(self, delay_iters: float = 0.0, mode: str = "host",
                device: jax.Device | None = None):
@@ -137,26 +139,27 @@ class IterationClock:
   def mean(self) -> float:
     return self._total / self._count if self._count else 0.0
 
-  def start_iteration(self, idle: Callable[[float], Any] = time.sleep) -> None:
-    """Slows the straggler (idling, or dispatching the delay program) and marks the start."""
+  def start_iteration(self) -> Task:
+    """Slows the straggler (idling, or dispatching the delay program) and marks the start; a
+    task (`layup_jax.scheduler`): host mode yields its idling, device mode the drain."""
     if self._program is not None:
-      self._start_on_device(self._iterations)
+      yield from self._start_on_device(self._iterations)
     else:
       self._measured = self.delay_iters > 0
       if self._measured and self._count:
-        idle(self.delay_iters * self.mean())
+        yield Sleep(self.delay_iters * self.mean(), self.now)
       self._start = self.now()
     self._iterations += 1
 
-  def _start_on_device(self, n: int) -> None:
+  def _start_on_device(self, n: int) -> Task:
     self._measured = False
     if not self._count:  # the mean is not known yet: no delay
       if self._window_first is None and n >= self.WARMUP:  # the timed window begins
-        self._program.drain()
+        yield Ready(self._program.drain())
         self._window_first, self._start = n, self.now()
       self._measured = self._window_first is not None and n == self._window_first + self.WINDOW - 1
     elif n % self.MEASURE_EVERY == 0:
-      self._program.drain()
+      yield Ready(self._program.drain())
       self._remeasure_unit(self.now())
     else:
       self._program(self.delay_iters * self.mean() * self.MEASURE_EVERY
@@ -176,11 +179,12 @@ class IterationClock:
       program.seconds_per_unit = statistics.median(self._unit_times)
     self._cycle_start, self._cycle_units = now, program.units_dispatched
 
-  def end_iteration(self, last_outputs: Any) -> None:
-    """Marks the end of an iteration whose work ends with `last_outputs`."""
+  def end_iteration(self, last_outputs: Any) -> Task:
+    """Marks the end of an iteration whose work ends with `last_outputs` (a task: it waits
+    for them where the iteration is timed)."""
     if not self._measured:
       return
-    self.wait(last_outputs)
+    yield Ready(last_outputs)
     if self._program is not None:  # the window's end: its time over its iterations
       self._total, self._count = self.now() - self._start, self.WINDOW
     else:

@@ -24,7 +24,7 @@ except ImportError:  # a jax without them: the public function
 PyTree = Any
 
 
-def _public(tree: PyTree, device: jax.Device) -> PyTree:
+def public(tree: PyTree, device: jax.Device) -> PyTree:
   return jax.device_put(tree, device)
 
 
@@ -45,9 +45,9 @@ def _direct(tree: PyTree, device: jax.Device) -> PyTree:
 @functools.cache
 def implementation():
   """`_direct` if it copies a device array and host arrays as `jax.device_put` does, else
-  `_public` (decided once, on first use: the check needs the devices)."""
+  `public` (decided once, on first use: the check needs the devices)."""
   if _batched_device_put is None:
-    return _public
+    return public
   devices = jax.devices()
   examples = (jax.device_put(np.arange(3, dtype=np.float32), devices[0]),
               np.arange(6, dtype=np.int32).reshape(2, 3), np.int32(7))
@@ -56,9 +56,9 @@ def implementation():
       want, got = jax.device_put(x, devices[-1]), _direct(x, devices[-1])
       if (type(got) is not type(want) or got.devices() != want.devices()
           or got.aval != want.aval or not np.array_equal(got, want)):
-        return _public
+        return public
   except Exception:  # noqa: BLE001 - any change of the internal function: the public one
-    return _public
+    return public
   return _direct
 
 

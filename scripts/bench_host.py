@@ -1,8 +1,9 @@
 """Host time per device-iteration of the threaded runtime: can one host feed eight GPUs?
 
 On a GPU a device-iteration of LayUp costs the host what it takes to dispatch it: the stage
-programs, the updates, the copies to peers and the merges, from sixteen Python threads (a
-compute and an updater thread per device) sharing one interpreter. Here the paper's model
+programs, the updates, the copies to peers and the merges, from the runtime's dispatcher and
+updater threads (layup_jax/runtime.py; `--updater-thread off` runs the updater's tasks on the
+dispatcher's thread). Here the paper's model
 *structures* (their stage counts and the kinds of stage) are shrunk until the device's own work
 is negligible (widths 2, batch 2, 8x8 images or 4 tokens; the `fused_step_ms` column is one
 device's whole jitted training step on the same model, an upper bound on its device time), so
@@ -14,10 +15,12 @@ and its inverse is the ceiling on device-iterations per second each of 8 devices
 shown next to what the paper's A100s ran at (appendix Table A5: forward+backward of ResNet-18
 CIFAR at batch 128 in 15.1 ms, 66 per second; ResNet-50 in 46.5 ms, 21.5 per second; so a host
 must spend <= 1.9 ms and <= 5.8 ms per device-iteration to keep 8 of them busy). `cpu_ms` is the
-process's CPU time over the same blocks (on 2 cores it may exceed the wall time), and
-`serial_ms` (LayUp and GoSGD) the same iterations dispatched from one thread, device after
-device, each waiting for its loss (`iterate_serial`, before the threads start): what the work
-costs without sixteen threads sharing the interpreter and the cores. Launches and
+process's CPU time over the same blocks (on 2 cores it may exceed the wall time; it includes
+the fake devices' execution), `threads` the CPU time of the dispatcher and updater threads
+alone (the host's dispatching, without the device work that XLA's CPU client runs on threads
+of its own), and `serial_ms` (LayUp and GoSGD) the same iterations dispatched from one
+thread, device after device, each waiting for its loss (`iterate_serial`, before the threads
+start). Launches and
 transfers per device-iteration are counted in a separate block with every jitted function of
 the runtime and every copy to a device wrapped in a counter (the wrappers cost host time, so
 that block is not timed). Batches cycle through 4 prepared ones: reading data is the input
@@ -26,6 +29,8 @@ pipeline's budget (`scripts/bench_input.py`), not this one. Latency sampling is 
   python scripts/bench_host.py --out docs/results/bench_host.json
   python scripts/bench_host.py --cases resnet18-cifar --algorithms layup --repeats 5
   python scripts/bench_host.py --cases resnet18-cifar --algorithms layup --stages-per-group 1 2 5
+  python scripts/bench_host.py --cases resnet18-cifar resnet50-cifar --algorithms layup \
+      --updater-thread on off
 
 `--stages-per-group` runs the model with consecutive stages grouped (`model.stages_per_group`):
 fewer, larger stages, so fewer programs, sends and merges per iteration. `--fuse-local-step on
@@ -92,10 +97,13 @@ def batches(kind: str, seed: int, count: int = 4):
   return itertools.cycle(made)
 
 
-def bench_config(algorithm: str, num_devices: int, fuse: bool = True):
+def bench_config(algorithm: str, num_devices: int, fuse: bool = True,
+                 updater_thread: bool = True):
   config = base.get_config()
   config.algorithm, config.num_devices = algorithm, num_devices
   config.layup.fuse_local_step = fuse
+  if "updater_thread" in config.layup:  # (an earlier runtime, benchmarked side by side, has none)
+    config.layup.updater_thread = updater_thread
   config.metrics.latency_every = 0
   config.baselines.tau = config.baselines.out_freq = 4
   config.faults.nonfinite = "skip"  # widths 2 can make a gradient non-finite; the run goes on
@@ -169,7 +177,7 @@ class Counter:
           swap(owner, name, self.wrap_jitted(value))
         elif isinstance(value, dict) and value and all(hasattr(v, "lower") for v in value.values()):
           swap(owner, name, {k: self.wrap_jitted(v) for k, v in value.items()})
-    for clock in runtime._clocks:
+    for clock in getattr(runtime, "clocks", None) or runtime._clocks:
       for name, value in list(vars(clock).items()):
         if hasattr(value, "lower") and callable(value):
           swap(clock, name, self.wrap_jitted(value))
@@ -186,15 +194,23 @@ class Counter:
     return restore
 
 
+def thread_cpu_s(runtime) -> float | None:
+  """CPU time of the runtime's dispatcher and updater threads so far (None: a runtime without
+  them)."""
+  schedulers = {id(s): s for s in (getattr(runtime, "dispatcher", None),
+                                   getattr(runtime, "updater", None)) if s is not None}
+  return sum(s.cpu_s for s in schedulers.values()) if schedulers else None
+
+
 def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
-          per_group: int = 1, fuse: bool = True) -> dict:
+          per_group: int = 1, fuse: bool = True, updater_thread: bool = True) -> dict:
   model, kind = shrunk_model(case)
   if per_group > 1:
     model = stages.group_stages(model, per_group)
   devices = jax.devices()[:num_devices]
   streams = TrainStreams([batches(kind, seed) for seed in range(num_devices)],
                          next(batches(kind, 0)))
-  config = bench_config(algorithm, num_devices, fuse)
+  config = bench_config(algorithm, num_devices, fuse, updater_thread)
   runtime = algorithms.build_runtime(config, model, optax.sgd(1e-3), devices, streams)
   start = time.perf_counter()
   runtime.compile()
@@ -205,13 +221,15 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
     one_step = lambda: [runtime.iterate_serial(i) for i in range(num_devices)]
     serial = [sidebyside.serial_block(one_step, steps) for _ in range(repeats + 1)][1:]
   runtime.run_until(runtime.iterations_done() + per_block, lambda done: None)  # warm-up
-  walls, cpus = [], []
+  walls, cpus, threads = [], [], []
   for _ in range(repeats):
     target = runtime.iterations_done() + per_block
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu, thread = time.perf_counter(), time.process_time(), thread_cpu_s(runtime)
     runtime.run_until(target, lambda done: None)
     walls.append(time.perf_counter() - wall)
     cpus.append(time.process_time() - cpu)
+    if thread is not None:
+      threads.append(thread_cpu_s(runtime) - thread)
   counter = Counter()
   restore = counter.install(runtime)
   runtime.run_until(runtime.iterations_done() + per_block, lambda done: None)
@@ -221,11 +239,13 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
   ceiling = 1e3 / (host_ms * num_devices)
   return {
       "case": case, "algorithm": algorithm, "num_stages": model.num_stages,
-      "stages_per_group": per_group, "fuse_local_step": fuse,
+      "stages_per_group": per_group, "fuse_local_step": fuse, "updater_thread": updater_thread,
       "num_devices": num_devices, "steps_per_block": steps, "repeats": repeats,
       "host_ms_per_iteration": host_ms,
       "host_ms_all": [1e3 * w / per_block for w in walls],
       "cpu_ms_per_iteration": 1e3 * statistics.median(cpus) / per_block,
+      "thread_cpu_ms_per_iteration": (1e3 * statistics.median(threads) / per_block if threads
+                                      else None),
       "serial_ms_per_iteration": (1e3 * statistics.median(serial) / per_block if serial
                                   else None),
       "launches_per_iteration": counter.launches / per_block,
@@ -249,6 +269,8 @@ def main() -> None:
                       help="model.stages_per_group values to run (1: the paper's stages)")
   parser.add_argument("--fuse-local-step", nargs="+", default=["on"], choices=["on", "off"],
                       help="layup.fuse_local_step values to run, one row each (adjacent)")
+  parser.add_argument("--updater-thread", nargs="+", default=["on"], choices=["on", "off"],
+                      help="layup.updater_thread values to run, one row each (adjacent)")
   parser.add_argument("--out", default="bench_host.json")
   args = parser.parse_args()
 
@@ -256,24 +278,25 @@ def main() -> None:
   fused = {}
   for case in args.cases:
     fused[case] = fused_step_ms(shrunk_model(case)[0], shrunk_model(case)[1])
-    for algorithm, per_group, fuse in itertools.product(args.algorithms, args.stages_per_group,
-                                                        args.fuse_local_step):
+    for algorithm, per_group, fuse, thread in itertools.product(
+        args.algorithms, args.stages_per_group, args.fuse_local_step, args.updater_thread):
       row = bench(case, algorithm, args.num_devices, args.steps, args.repeats, per_group,
-                  fuse == "on")
+                  fuse == "on", thread == "on")
       row["fused_step_ms"] = fused[case]
       rows.append(row)
       print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
 
   fmt = lambda v, spec: "-" if v is None else format(v, spec)
-  print(f"\n{'case':<16}{'algorithm':<11}{'stages':>7}{'fused':>6}{'host ms/it':>11}"
-        f"{'serial':>8}"
+  print(f"\n{'case':<16}{'algorithm':<11}{'stages':>7}{'fused':>6}{'upd.th':>7}"
+        f"{'host ms/it':>11}{'serial':>8}{'threads':>8}"
         f"{'cpu ms/it':>10}"
         f"{'launches':>9}{'transfers':>10}{'ceiling/s':>10}{'A100/s':>8}{'budget ms':>10}"
         f"{'fused ms':>9}")
   for r in rows:
     print(f"{r['case']:<16}{r['algorithm']:<11}{r['num_stages']:>7}"
-          f"{'on' if r['fuse_local_step'] else 'off':>6}"
+          f"{'on' if r['fuse_local_step'] else 'off':>6}{'on' if r['updater_thread'] else 'off':>7}"
           f"{r['host_ms_per_iteration']:>11.2f}{fmt(r.get('serial_ms_per_iteration'), '.2f'):>8}"
+          f"{fmt(r.get('thread_cpu_ms_per_iteration'), '.2f'):>8}"
           f"{r['cpu_ms_per_iteration']:>10.2f}"
           f"{r['launches_per_iteration']:>9.1f}{r['transfers_per_iteration']:>10.1f}"
           f"{r['ceiling_iterations_per_s_per_device']:>10.1f}"

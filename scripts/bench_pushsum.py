@@ -47,12 +47,12 @@ def run(algorithm: str, push_sum: str, num_devices: int, iterations: int, noise:
   model = models.make_model(config.model)
   tx = optim.make_optimizer(config.optimizer, 10_000, dataset.steps_per_epoch)
   runtime = algorithms.build_runtime(config, model, tx, jax.devices()[:num_devices], dataset)
-  arrays, meta = runtime.state_dict()
+  arrays, meta = runtime.checkpoint.state_dict()
   rng = np.random.default_rng(seed)
   for replica in arrays["replicas"]:
     replica["params"] = [np.asarray(p) + noise * rng.normal(size=p.shape).astype(np.float32)
                          for p in replica["params"]]
-  runtime.load_state_dict(arrays, meta)
+  runtime.checkpoint.load_state_dict(arrays, meta)
   start, params = _average_and_params(runtime)
   spread = float(pushsum.consensus_distance(params, start))
   runtime.compile()
@@ -64,8 +64,8 @@ def run(algorithm: str, push_sum: str, num_devices: int, iterations: int, noise:
   return {"algorithm": algorithm, "push_sum": push_sum, "seed": seed,
           "average_moved_relative": moved,
           "consensus_distance_ratio": float(pushsum.consensus_distance(params, end)) / spread,
-          "weight_sums": runtime.weight_sums(),
-          "iterations_per_device": runtime.iterations_per_device()}
+          "weight_sums": runtime.stats.weight_sums(),
+          "iterations_per_device": runtime.stats.iterations_per_device()}
 
 
 def main() -> None:

@@ -84,7 +84,7 @@ def ahead_run(num_devices: int, ahead: int, warmup: int = 10, steps: int = 60):
   elapsed = time.perf_counter() - start
   evaluator = Evaluator(models.make_model(digits.get_config().model), dataset.test,
                         jax.devices()[0])
-  accuracy = evaluator.evaluate(runtime.snapshot())["accuracy"]
+  accuracy = evaluator.evaluate(runtime.stats.snapshot())["accuracy"]
   runtime.close()
   dataset.close()
   return elapsed / steps, accuracy

@@ -48,6 +48,9 @@ CASES = {  # "iters": iterations per timed block (short: the sides alternate oft
     "digits": {"data.batch_size": 16, "data.read_threads": 0, "iters": 10},  # as configs/digits.py
     "resnet18-cifar": {"model.name": "resnet18", "model.num_classes": 100, "data.batch_size": 32,
                        "input_size": 32, "iters": 2},
+    # The paper's per-device batch (appendix Table A5: 15.1 ms forward+backward on an A100).
+    "resnet18-cifar-b128": {"model.name": "resnet18", "model.num_classes": 100,
+                            "data.batch_size": 128, "input_size": 32, "iters": 10},
     "gpt2-tiny": {"model.name": "gpt2", "model.size": "tiny", "model.vocab_size": 256,
                   "model.max_len": 128, "data.batch_size": 8, "seq_len": 128,
                   "optimizer.name": "adamw", "iters": 20},
@@ -94,7 +97,10 @@ def transformer_flops(config, params, batch: int, seq_len: int) -> float | None:
   return batch * seq_len * (6 * n + 12 * spec.num_layers * spec.embed_dim * seq_len)
 
 
-def bench_case(case: str, repeats: int, iters: int | None) -> dict:
+SIDES = ("runtime", "unfused", "staged", "pytrees", "fused")
+
+
+def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
   config, extras = case_config(case)
   iters = iters or extras["iters"]
   device = jax.devices()[0]
@@ -113,8 +119,10 @@ def bench_case(case: str, repeats: int, iters: int | None) -> dict:
     built.compile()
     return built
 
-  layup, threaded, unpacked = runtime(True), runtime(True), runtime(False)
-  unfused = runtime(True, fuse=False)
+  layup = runtime(True)
+  threaded = runtime(True) if "runtime" in sides else None
+  unpacked = runtime(False) if "pytrees" in sides else None
+  unfused = runtime(True, fuse=False) if "unfused" in sides else None
   key = jax.device_put(jax.random.key(0), device)
   iteration = jax.device_put(np.int32(0), device)
   inputs = Batch(*jax.device_put((example.inputs, example.targets), device))
@@ -147,14 +155,19 @@ def bench_case(case: str, repeats: int, iters: int | None) -> dict:
             "staged": lambda: serial_block(staged_iteration, iters),
             "pytrees": lambda: serial_block(pytree_iteration, iters),
             "fused": lambda: serial_block(fused_iteration, iters)}
+  blocks = {side: block for side, block in blocks.items() if side in sides}
   times = interleaved(blocks, repeats, {side: iters for side in blocks})
+  for side in SIDES:  # a side not run reads as NaN
+    times.setdefault(side, [float("nan")])
   runtime_times, staged_times = times["runtime"], times["staged"]
   pytree_times, fused_times = times["pytrees"], times["fused"]
-  threaded.close()
-  unfused.close()
+  for built in (threaded, unfused, layup, unpacked):
+    if built is not None:
+      built.close()
   staged_s, fused_s = statistics.median(staged_times), statistics.median(fused_times)
   runtime_s = statistics.median(runtime_times)
-  ratio = lambda times: median_ratio(fused_times, times)  # throughput: fused time / time
+  ratio = lambda times: (median_ratio(fused_times, times) if not np.isnan(times[0])
+                         else float("nan"))  # throughput: fused time / time
   peak = PEAK_FLOPS.get(device.device_kind)
   estimate = transformer_flops(config, params, config.data.batch_size, extras.get("seq_len", 0))
   return {
@@ -191,10 +204,13 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=21, help="rounds of timed blocks")
   parser.add_argument("--iters", type=int, default=None,
                       help="iterations per timed repeat (default: the case's own)")
+  parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES,
+                      help="which ways of running the step to time (fused is always timed)")
   parser.add_argument("--out", default="bench_step.json")
   args = parser.parse_args()
 
-  rows = [bench_case(case, args.repeats, args.iters) for case in args.cases]
+  sides = set(args.sides) | {"fused"}
+  rows = [bench_case(case, args.repeats, args.iters, sides) for case in args.cases]
   mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"
   print(f"{'case':<16}{'stages':>7}{'batch':>6}{'fused ms':>10}{'runtime ms':>12}"
         f"{'unfused ms':>11}{'serial ms':>11}{'pytrees ms':>12}   throughput vs fused: runtime"

@@ -32,16 +32,16 @@ def main() -> None:
 
   runtime = make_layup_runtime(8, learning_rate=0.0,
                                exchange={"layup": LayUp, **EXCHANGES}[algorithm])
-  arrays, meta = runtime.state_dict()
+  arrays, meta = runtime.checkpoint.state_dict()
   for i, replica in enumerate(arrays["replicas"]):  # i: this process's; rng: the run's position
     rng = np.random.default_rng(100 + runtime.first + i)
     replica["params"] = [jax.tree.map(lambda p, rng=rng: np.asarray(p) + 0.5 * rng.normal(
         size=p.shape).astype(np.float32), stage) for stage in replica["params"]]
-  runtime.load_state_dict(arrays, meta)
+  runtime.checkpoint.load_state_dict(arrays, meta)
 
   def average_and_spread():
-    runtime.collect()
-    snapshot = runtime.snapshot()
+    runtime.stats.collect()
+    snapshot = runtime.stats.snapshot()
     center = pushsum.consensus(snapshot.params, np.asarray(snapshot.weights))
     return center, float(pushsum.consensus_distance(snapshot.params, center))
 
@@ -49,8 +49,8 @@ def main() -> None:
   runtime.compile()
   runtime.run_until(runtime.num_devices * int(iterations), lambda _: None)
   center, spread_after = average_and_spread()
-  sums = runtime.weight_sums()
-  per_device = runtime.iterations_per_device()
+  sums = runtime.stats.weight_sums()
+  per_device = runtime.stats.iterations_per_device()
   crossed = sum(jax.tree.leaves(distributed_sends(runtime)))
   runtime.close()
   if jax.process_index() == 0:

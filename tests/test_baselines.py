@@ -21,7 +21,7 @@ PEERS = [1, 3, 0, 2, 2, 0, 3, 1]  # scripted peer of each serial iteration
 
 
 def _leaves(runtime, device):
-  return jax.tree.leaves(jax.device_get(runtime.stage_params(device)))
+  return jax.tree.leaves(jax.device_get(runtime.store.stage_params(device)))
 
 
 class _Whole(nn.Module):
@@ -90,7 +90,7 @@ def _fixed_batches(num_devices):
 
 def _gradient(model, runtime, device, batch, params):
   """The loss gradient of `params` (a list of stage pytrees) on `batch`: what device computes."""
-  state = runtime.stage_state(device)
+  state = runtime.store.stage_state(device)
   return jax.grad(lambda p: model.loss(p, state, batch.inputs, batch.targets,
                                        jax.random.key(0), 0)[0])(params)
 
@@ -103,13 +103,13 @@ def test_adpsgd_averages_with_the_peer_before_applying_its_own_gradient():
                                train_batches=[itertools.repeat(b) for b in batches])
   runtime.replicas[1].params = [jax.tree.map(lambda a: 1.5 * a, p)
                                 for p in runtime.replicas[1].params]
-  x0, x1 = (jax.device_get(runtime.stage_params(d)) for d in range(2))
+  x0, x1 = (jax.device_get(runtime.store.stage_params(d)) for d in range(2))
   g0 = _gradient(model, runtime, 0, batches[0], x0)
   runtime.iterate_serial(0, peer=1)
   average = jax.tree.map(lambda a, b: (a + b) / 2, x0, x1)
-  chex.assert_trees_all_close(jax.device_get(runtime.stage_params(0)),
+  chex.assert_trees_all_close(jax.device_get(runtime.store.stage_params(0)),
                               jax.tree.map(lambda a, g: a - 0.1 * g, average, g0), atol=1e-6)
-  chex.assert_trees_all_close(jax.device_get(runtime.stage_params(1)), average, atol=1e-6)
+  chex.assert_trees_all_close(jax.device_get(runtime.store.stage_params(1)), average, atol=1e-6)
 
 
 def _ddp_params(model, steps, tx):
@@ -124,7 +124,7 @@ def _ddp_params(model, steps, tx):
                    Batch(train.inputs[:8], train.targets[:8]), seed=0)
   ddp.compile()
   ddp.run_until(4 * steps, lambda _: None)
-  return jax.tree.leaves(jax.device_get(ddp.snapshot().params[0]))
+  return jax.tree.leaves(jax.device_get(ddp.stats.snapshot().params[0]))
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["serial", "threaded"])
@@ -218,13 +218,13 @@ def test_co2_trajectory_one_period_stale_outer_step_with_every_period_local_prog
       itertools.cycle(b) for b in batches], exchange=make_exchange(
           tau=2, out_freq=2, lag=1, outer=CO2Outer(alpha, beta, clip),
           learning_rate=lambda step: queried.append(step) or 1.0))
-  tree = jax.device_get(runtime.stage_params(0))
+  tree = jax.device_get(runtime.store.stage_params(0))
   leaves, treedef = jax.tree.flatten(tree)
   flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
   unflat = lambda v: jax.tree.unflatten(treedef, [
       part.reshape(x.shape) for part, x in zip(np.split(v, np.cumsum(
           [x.size for x in leaves])[:-1]), leaves)])
-  state = runtime.stage_state(0)
+  state = runtime.store.stage_state(0)
 
   def local_period(start, device):  # tau SGD steps on the device's batches, by reference
     params = unflat(start)
@@ -249,7 +249,7 @@ def test_co2_trajectory_one_period_stale_outer_step_with_every_period_local_prog
     anchor = anchor - alpha * momentum
     results[b] = anchor
     for d in range(2):  # each device continues from R_{b-1}
-      np.testing.assert_allclose(flat(jax.device_get(runtime.stage_params(d))),
+      np.testing.assert_allclose(flat(jax.device_get(runtime.store.stage_params(d))),
                                  results[b - 1], atol=2e-6)
   assert clipped_any and not np.allclose(results[3], results[2])
   assert queried == [1, 3, 5, 7]  # the learning rate of each period's last step
@@ -290,11 +290,11 @@ def test_periodic_baselines_follow_the_bn_policy_at_a_boundary(bn_policy, lag):
   CO2's lag too, whose first reset is to the initial model: not to its statistics)."""
   runtime = make_layup_runtime(4, exchange=make_exchange(tau=2, out_freq=2, outer=None, lag=lag),
                                bn_policy=bn_policy)
-  initial = jax.device_get(runtime.stage_state(0))
+  initial = jax.device_get(runtime.store.stage_state(0))
   for _ in range(2):  # one period: every device reaches boundary 1
     for i in range(4):
       runtime.iterate_serial(i)
-  states = [jax.tree.leaves(jax.device_get(runtime.stage_state(i))) for i in range(4)]
+  states = [jax.tree.leaves(jax.device_get(runtime.store.stage_state(i))) for i in range(4)]
   params = [_leaves(runtime, i) for i in range(4)]
   for i in range(1, 4):
     for a, b in zip(params[0], params[i]):

@@ -71,12 +71,12 @@ def _assert_trees_equal(got, want):
 
 def _save_and_restore(runtime, fresh, directory, step=1):
   checkpoints = Checkpoints(directory, keep=2)
-  arrays, meta = runtime.state_dict()
+  arrays, meta = runtime.checkpoint.state_dict()
   checkpoints.save(step, arrays, {"runtime": meta})
   checkpoints.wait()
-  restored = checkpoints.restore(lambda m: fresh.restore_template(m["runtime"]))
+  restored = checkpoints.restore(lambda m: fresh.checkpoint.restore_template(m["runtime"]))
   checkpoints.close()
-  fresh.load_state_dict(restored[1], restored[2]["runtime"])
+  fresh.checkpoint.load_state_dict(restored[1], restored[2]["runtime"])
   return restored
 
 
@@ -84,23 +84,23 @@ def test_layup_resumes_with_the_replicas_opt_states_and_weights_it_saved(tmp_pat
   runtime = make_layup_runtime(4, bn_policy="mix")
   runtime.compile()
   runtime.run_until(4 * 12, lambda done: None)  # threaded: weights are no longer uniform
-  saved_arrays, saved_meta = runtime.state_dict()
+  saved_arrays, saved_meta = runtime.checkpoint.state_dict()
   saved = _host(saved_arrays)
   runtime.close()
 
   fresh = make_layup_runtime(4, seed=1)  # other initial params, keys and peers
   _save_and_restore(runtime, fresh, tmp_path / "checkpoints")
-  arrays, meta = fresh.state_dict()
+  arrays, meta = fresh.checkpoint.state_dict()
   _assert_trees_equal(_host(arrays), saved)
   assert meta["weights"] == saved_meta["weights"] and meta["iterations"] == saved_meta["iterations"]
-  assert fresh.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+  assert fresh.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
   for replica in fresh.replicas:  # every replica back on its own device
     assert {d for leaf in jax.tree.leaves(replica.params) for d in leaf.devices()} == {
         replica.device}
   fresh.compile()
   fresh.run_until(fresh.iterations_done() + 8, lambda done: None)
   assert fresh.iterations_done() == 4 * 12 + 8
-  assert fresh.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+  assert fresh.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
   fresh.close()
 
 
@@ -137,11 +137,11 @@ def test_each_devices_unit_is_a_row_of_one_array_per_dtype_read_back_per_device_
 def test_a_checkpoint_of_an_earlier_format_is_refused_in_one_line_and_kept(tmp_path):
   runtime = make_layup_runtime(2)
   checkpoints = Checkpoints(tmp_path / "checkpoints", keep=2)
-  arrays, meta = runtime.state_dict()
+  arrays, meta = runtime.checkpoint.state_dict()
   checkpoints.save(1, arrays, {"runtime": {**meta, "format": 2}})
   checkpoints.wait()
   with pytest.raises(ConfigError, match="earlier layup_jax .checkpoint format 2, this version"):
-    checkpoints.restore(lambda m: runtime.restore_template(m["runtime"]))
+    checkpoints.restore(lambda m: runtime.checkpoint.restore_template(m["runtime"]))
   assert checkpoints.steps() == [1]  # not moved aside as unreadable
   checkpoints.close()
   runtime.close()
@@ -153,7 +153,7 @@ def test_a_changed_device_count_keeps_the_consensus_model(tmp_path, new_devices)
   for k in range(3):  # scripted gossip: weights (1/8, 3/16, ...) differ
     for i in range(4):
       runtime.iterate_serial(i, (i + 1 + k) % 4)
-  arrays, meta = runtime.state_dict()
+  arrays, meta = runtime.checkpoint.state_dict()
   want = _consensus([r["params"] for r in _host(arrays)["replicas"]], meta["weights"])
 
   fresh = make_layup_runtime(new_devices)
@@ -161,7 +161,7 @@ def test_a_changed_device_count_keeps_the_consensus_model(tmp_path, new_devices)
   got = _consensus([r.params for r in fresh.replicas], fresh.store.weights.values)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  assert fresh.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+  assert fresh.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
   assert [r.iteration for r in fresh.replicas] == [3] * new_devices  # each device's step counter
   fresh.iterate_serial(0)  # and it trains on
 
@@ -200,12 +200,12 @@ def test_co2_resumed_mid_period_continues_exactly(tmp_path):
   for i in range(4):
     fresh.iterate_serial(i)
   _save_and_restore(original, fresh, tmp_path / "checkpoints")
-  for mine, theirs in zip(fresh._train_batches, original._train_batches):
+  for mine, theirs in zip(fresh.train_batches, original.train_batches):
     mine.set_state(theirs.get_state())
   for i in schedule_after:
     original.iterate_serial(i)
     fresh.iterate_serial(i)
-  _assert_trees_equal(_host(fresh.state_dict()[0]), _host(original.state_dict()[0]))
+  _assert_trees_equal(_host(fresh.checkpoint.state_dict()[0]), _host(original.checkpoint.state_dict()[0]))
 
 
 @pytest.mark.parametrize("algorithm", ["slowmo", "co2"])
@@ -256,11 +256,11 @@ def test_partial_and_truncated_checkpoints_fall_back_to_the_previous_one(tmp_pat
   checkpoints = Checkpoints(directory, keep=3)
   for step in (1, 2):
     runtime.iterate_serial(0)
-    arrays, meta = runtime.state_dict()
+    arrays, meta = runtime.checkpoint.state_dict()
     checkpoints.save(step, arrays, {"runtime": meta})
   checkpoints.wait()
   step_1 = _host(Checkpoints(directory, keep=3).restore(
-      lambda m: runtime.restore_template(m["runtime"]), step=1)[1])
+      lambda m: runtime.checkpoint.restore_template(m["runtime"]), step=1)[1])
   partial = directory / "3.orbax-checkpoint-tmp-1700000000"  # a save killed before its rename
   (partial / "arrays").mkdir(parents=True)
   (partial / "arrays" / "half_written").write_bytes(b"\0" * 10)
@@ -270,7 +270,7 @@ def test_partial_and_truncated_checkpoints_fall_back_to_the_previous_one(tmp_pat
   checkpoints.close()
   checkpoints = Checkpoints(directory, keep=3)  # as the next run opens them
   with caplog.at_level("WARNING"):
-    step, arrays, _ = checkpoints.restore(lambda m: runtime.restore_template(m["runtime"]))
+    step, arrays, _ = checkpoints.restore(lambda m: runtime.checkpoint.restore_template(m["runtime"]))
   assert step == 1 and "checkpoints/2 is unreadable" in caplog.text
   _assert_trees_equal(_host(arrays), step_1)
   assert checkpoints.steps() == [1]  # step 2 moved aside, so it can be saved again
@@ -294,7 +294,7 @@ class _NaNAfter:
 
 def test_an_injected_nan_stops_the_run_naming_device_stage_and_step():
   runtime = make_layup_runtime(4, model=mlp_model())
-  runtime._train_batches[2] = _NaNAfter(runtime._train_batches[2], after=5)
+  runtime.train_batches[2] = _NaNAfter(runtime.train_batches[2], after=5)
   runtime.compile()
   with pytest.raises(NonFiniteError, match=r"on device 2 at its step \d+.*stage 2|stage 2 on "
                                            r"device 2 at its step \d+"):
@@ -305,7 +305,7 @@ def test_a_stopping_run_never_writes_a_non_finite_step_into_a_replica():
   # Under `stop` too: a replica holding the NaN would send it to peers, whose losses would then
   # turn NaN and might be read (and named in the error) before the device it appeared on.
   runtime = make_layup_runtime(4, model=mlp_model())
-  runtime._train_batches[2] = _NaNAfter(runtime._train_batches[2], after=0)
+  runtime.train_batches[2] = _NaNAfter(runtime.train_batches[2], after=0)
   runtime.compile()
   before = runtime.store.stage_params(2)
   with pytest.raises(NonFiniteError, match="on device 2"):
@@ -318,14 +318,14 @@ def test_a_stopping_run_never_writes_a_non_finite_step_into_a_replica():
 
 def test_skipping_non_finite_steps_keeps_every_replica_finite():
   runtime = make_layup_runtime(4, model=mlp_model(), nonfinite="skip")
-  runtime._train_batches[2] = _NaNAfter(runtime._train_batches[2], after=5)
+  runtime.train_batches[2] = _NaNAfter(runtime.train_batches[2], after=5)
   runtime.compile()
   runtime.run_until(4 * 20, lambda done: None)
   # Device 2's steps from its 6th on, however many it took of the 80 (the devices share them).
-  taken = runtime.iterations_per_device()[2]
-  assert taken > 5 and [c.skipped for c in runtime._checks] == [0, 0, taken - 5, 0]
-  assert runtime.skipped_steps() == taken - 5
-  arrays, _ = runtime.state_dict()
+  taken = runtime.stats.iterations_per_device()[2]
+  assert taken > 5 and runtime.stats.skipped == [0, 0, taken - 5, 0]
+  assert runtime.stats.skipped_steps() == taken - 5
+  arrays, _ = runtime.checkpoint.state_dict()
   assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(_host(arrays["replicas"])))
   runtime.close()
 

@@ -63,7 +63,7 @@ def test_layup_and_ddp_count_the_same_flops_for_one_device_iteration(tiny_config
   DDP's count does not depend on how many devices share its step."""
   model = models.make_model(tiny_config.model)
   layup = make_layup_runtime(8, model=model, batch_size=8)
-  train_batch = layup._example_batch
+  train_batch = layup.example_batch
   params, state = jax.device_get(model.init(jax.random.key(0), train_batch.inputs))
 
   def ddp_count(num_devices):
@@ -111,11 +111,11 @@ def test_each_stage_update_is_timed_on_every_sampled_iteration(gossip):
   try:
     runtime.compile()
     runtime.run_until(12, lambda done: None)
-    per_stage = runtime.stage_latencies()
-    sampled = sum((n + 1) // 2 for n in runtime.iterations_per_device())
+    per_stage = runtime.stats.stage_latencies()
+    sampled = sum((n + 1) // 2 for n in runtime.stats.iterations_per_device())
     assert [len(samples) for samples in per_stage] == [sampled] * runtime.num_stages
     assert all(0 < seconds < 10 for samples in per_stage for seconds in samples)
-    assert runtime.stage_latencies() == [[]] * runtime.num_stages  # drained by the first call
+    assert runtime.stats.stage_latencies() == [[]] * runtime.num_stages  # drained by the first call
   finally:
     runtime.close()
   assert measurements.stage_latency_ms([[0.001, 0.003, 0.002], []]) == pytest.approx([2.0, None])

@@ -99,16 +99,16 @@ def test_one_layup_and_one_ddp_step_on_four_devices(config):
   layup.compile()
   layup.run_until(4, lambda _: None)
   layup.close()
-  assert layup.iterations_done() == 4 and np.isfinite(layup.train_loss())
-  assert layup.weight_sums() == pytest.approx([1.0] * model.num_stages, abs=1e-12)
+  assert layup.iterations_done() == 4 and np.isfinite(layup.stats.train_loss())
+  assert layup.stats.weight_sums() == pytest.approx([1.0] * model.num_stages, abs=1e-12)
   moved = [not np.allclose(a, b) for a, b in zip(
-      jax.tree.leaves(jax.device_get(layup.stage_params(0))), jax.tree.leaves(params))]
+      jax.tree.leaves(jax.device_get(layup.store.stage_params(0))), jax.tree.leaves(params))]
   assert any(moved)
 
   ddp = DDPRuntime(model, tx, devices, _iterators(config, 4), params, state, example, seed=0)
   ddp.compile()
   ddp.run_until(4, lambda _: None)
-  assert ddp.iterations_done() == 4 and np.isfinite(ddp.train_loss())
+  assert ddp.iterations_done() == 4 and np.isfinite(ddp.stats.train_loss())
 
 
 def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
@@ -148,13 +148,13 @@ def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
     runtime.iterate_serial(0, 1)
     runtime.iterate_serial(1, 0)
     for i in range(2):
-      stage_params = runtime.stage_params(i)
+      stage_params = runtime.store.stage_params(i)
       shapes = [leaf.shape for stage in stage_params for leaf in jax.tree.leaves(stage)]
       assert shapes.count(wte_shape) == 1
       assert stage_params[0]["wte"]["embedding"].shape == wte_shape
-    assert runtime.weight_sums() == pytest.approx([1.0] * model.num_stages, abs=1e-12)
+    assert runtime.stats.weight_sums() == pytest.approx([1.0] * model.num_stages, abs=1e-12)
   for i in range(2):
-    chex.assert_trees_all_close(runtimes[0].stage_params(i), runtimes[1].stage_params(i),
+    chex.assert_trees_all_close(runtimes[0].store.stage_params(i), runtimes[1].store.stage_params(i),
                                 atol=1e-6, rtol=1e-5)
 
 

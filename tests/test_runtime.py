@@ -1,6 +1,7 @@
 """The asynchronous runtime: Algorithm 1's invariants in the serial mode and, as it really runs,
 with its threads: no write lost, exact push-sum per stage, no device waiting on another's work."""
 
+import collections
 import dataclasses
 import gc
 import threading
@@ -29,12 +30,12 @@ EXCHANGES = {"layup": None, "gosgd": GoSGD, "adpsgd": ADPSGD}
 def _perturb_replicas(runtime, scale=0.5):
   """Gives every replica different parameters, as after some local steps, through the
   runtime's own state_dict and load_state_dict."""
-  arrays, meta = runtime.state_dict()
+  arrays, meta = runtime.checkpoint.state_dict()
   for i, replica in enumerate(arrays["replicas"]):
     rng = np.random.default_rng(100 + i)
     replica["params"] = [jax.tree.map(lambda p, rng=rng: np.asarray(p) + scale * rng.normal(
         size=p.shape).astype(np.float32), stage) for stage in replica["params"]]
-  runtime.load_state_dict(arrays, meta)
+  runtime.checkpoint.load_state_dict(arrays, meta)
 
 
 def _host_params(runtime):
@@ -69,9 +70,9 @@ def test_packed_stages_train_exactly_as_pytree_stages():
     assert packed.iterate_serial(device, peer) == pytest.approx(
         plain.iterate_serial(device, peer), rel=1e-6)
   for i in range(4):
-    chex.assert_trees_all_close(packed.stage_params(i), plain.stage_params(i), rtol=1e-5,
+    chex.assert_trees_all_close(packed.store.stage_params(i), plain.store.stage_params(i), rtol=1e-5,
                                 atol=1e-6)
-    chex.assert_trees_all_close(packed.stage_state(i), plain.stage_state(i), rtol=1e-5,
+    chex.assert_trees_all_close(packed.store.stage_state(i), plain.store.stage_state(i), rtol=1e-5,
                                 atol=1e-6)
   assert packed.store.weights.values == plain.store.weights.values
 
@@ -84,7 +85,7 @@ def test_scripted_peer_sequence_moves_the_weights_as_push_sum_and_keeps_their_su
   for device, peer in script:
     runtime.iterate_serial(device, peer)
     expected.add(peer, 0, expected.halve(device, 0))
-    assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+    assert runtime.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
   assert runtime.store.weights.values == [row * 3 for row in expected.values]
 
 
@@ -115,8 +116,8 @@ def test_threaded_gossip_keeps_the_push_sum_average_of_every_stage(algorithm):
   runtime.compile()
   runtime.run_until(8 * 300, lambda _: None)
   runtime.close()
-  assert min(runtime.iterations_per_device()) > 0 and runtime.iterations_done() == 2400
-  assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+  assert min(runtime.stats.iterations_per_device()) > 0 and runtime.iterations_done() == 2400
+  assert runtime.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
   center = _average(runtime)
   assert _relative_distance(center, start) < 1e-5
   assert float(pushsum.consensus_distance(_host_params(runtime), center)) < 1e-3 * spread
@@ -126,42 +127,39 @@ class _Lineage:
   """Counts writes of a stage that replace a version other than the one they were computed
   from: a write computed from version v, stored after another thread stored v', loses v'.
 
-  Wraps the store's update, fused backward-and-update and merge functions to remember which
-  params each new version was computed from, and each replica's params list to check, at every
-  store, that the version it replaces is that one."""
+  Wraps the store's programs that write params (the fused loss and backward updates, with and
+  without a received stage mixed in, and the merge) to remember which params each new version
+  was computed from, and each replica's params list to check, at every store, that the version
+  it replaces is that one."""
 
   def __init__(self, store):
     self.derived = {}  # id(new params) -> (new params, the params they were computed from)
     self.writes = self.overwritten = 0
+    self.calls = collections.Counter()
     self.lock = threading.Lock()
-    update, merge = store.update, store.merge_fn
 
-    def remember(new, old):
-      with self.lock:
-        self.derived[id(new)] = (new, old)
-
-    def traced_update(params, *args):
-      out = update(params, *args)
-      remember(out[0], params)
-      return out
-
-    def traced_merge(receiver, *args):
-      out = merge(receiver, *args)
-      new, old = (out[0], receiver[0]) if isinstance(out, tuple) else (out, receiver)
-      remember(new, old)
-      return out
-
-    def traced_backward_update(fn):
-      def traced(vjp, inputs, *args):
-        out = fn(vjp, inputs, *args)
-        remember(out[0], inputs[0])
+    def traced(name, fn, new_at, old_of):
+      def call(*args):
+        out = fn(*args)
+        new, old = (out if new_at is None else out[new_at]), old_of(args)
+        if isinstance(new, tuple):  # a merge of (params, state)
+          new, old = new[0], old[0]
+        with self.lock:
+          self.derived[id(new)] = (new, old)
+          self.calls[name] += 1
         return out
-      return traced
+      return call
 
-    store.update, store.merge_fn = traced_update, traced_merge
+    steps = store.steps
     store.steps = dataclasses.replace(
-        store.steps, backward_update=tuple(map(traced_backward_update,
-                                               store.steps.backward_update)))
+        steps,
+        backward_update=tuple(traced("update", f, 0, lambda a: a[1][0])
+                              for f in steps.backward_update),
+        backward_update_mix=tuple(traced("update_mix", f, 0, lambda a: a[1][0])
+                                  for f in steps.backward_update_mix),
+        loss_update=traced("update", steps.loss_update, 2, lambda a: a[0]),
+        loss_update_mix=traced("update_mix", steps.loss_update_mix, 2, lambda a: a[0]))
+    store.merge_fn = traced("merge", store.merge_fn, None, lambda a: a[0])
     lineage = self
 
     class CheckedList(list):
@@ -177,84 +175,31 @@ class _Lineage:
       replica.params = CheckedList(replica.params)
 
 
-def test_threaded_writes_never_overwrite_a_newer_version_of_a_stage():
-  runtime = make_layup_runtime(8)
-  lineage = _Lineage(runtime.store)
-  runtime.compile()
-  runtime.run_until(8 * 300, lambda _: None)
-  runtime.close()
-  # Every iteration's local step and merge of every stage was checked: 2 x 3 x 2400 writes.
-  assert lineage.writes == 2 * 3 * 2400
-  assert lineage.overwritten == 0
-  # The count does see a write computed from a version that was replaced meanwhile.
-  store = runtime.store
-  stale = store.replicas[0].params[1]
-  store.replicas[0].params[1] = store.merge_fn(stale, jnp.copy(stale), np.float32(0.5))
-  store.replicas[0].params[1] = store.merge_fn(stale, jnp.copy(stale), np.float32(0.5))
-  assert lineage.overwritten == 1
-
-
-class _GatedBatches:
-  """A device's batches: the first `free` pass, the rest wait until `go` is set. `waiting` is
-  set once the device's compute thread has taken an iteration and waits at the gate."""
-
-  def __init__(self, iterator, go: threading.Event, free: int = 0):
-    self.iterator, self.go, self.free = iterator, go, free
-    self.waiting = threading.Event()
-
-  def __next__(self):
-    if self.free:
-      self.free -= 1
-    else:
-      self.waiting.set()
-      assert self.go.wait(timeout=60)
-    return next(self.iterator)
-
-
 def test_a_device_does_not_wait_for_a_slow_peer_that_sends_to_it():
   # Device 0's work is held back by a long program on its device; its iteration is dispatched
-  # behind it and it sends to device 1 (its only peer). Device 1's own next iteration must
-  # complete while device 0's program is still running: nothing of device 0's unfinished work
-  # may be queued on device 1.
-  from layup_jax.data.pipeline import TrainIterator
-
-  train, _ = digits.load_digits(0.2)
-  go = threading.Event()
-  # Device 0 runs one iteration and then waits at its gate too, so however the threads are
-  # scheduled it takes at most two of the three iterations granted and device 1 gets one.
-  batches = [_GatedBatches(TrainIterator(train, 2, 0, 8, 0), go, free=1),
-             _GatedBatches(TrainIterator(train, 2, 1, 8, 0), go)]
-  runtime = make_layup_runtime(2, train_batches=batches)
-  merged_into = []  # the peer of every merge, as the outboxes dispatch them
-  merge = runtime.store.merge
-  runtime.store.merge = lambda j, *args: (merged_into.append(j), merge(j, *args))[1]
-  try:
-    runtime.compile()
-    slow = straggler.DelayProgram(runtime.store.device(0))
-    slow.calibrate()
-    held_back = slow(6.0)
-    started = time.perf_counter()
-    runtime._budget.grant(3)
-    runtime._start_threads()
-    deadline = time.perf_counter() + 5
-    while not (runtime.store.replicas[0].iteration == 1 and batches[1].waiting.is_set()):
-      assert time.perf_counter() < deadline
-      time.sleep(0.01)
-    time.sleep(0.5)  # device 0's updater has its gradients: had it sent them, they'd be queued
-    go.set()
-    while not runtime._losses[1]:  # device 1's loss is read once its forward pass has run
-      assert time.perf_counter() - started < 60
-      time.sleep(0.005)
-    params = runtime.store.params(1, runtime.num_stages - 1)
-    jax.block_until_ready(params)
-    assert not held_back.is_ready(), "device 1 waited for device 0's unfinished program"
-    runtime.run_until(3, lambda _: None)  # device 0's iteration and its sends complete
-  finally:
-    runtime.close()
-  assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
-  # Device 0's stages reached device 1 (its weights cannot tell: sends both ways can leave
-  # both devices at 0.5 per stage).
-  assert merged_into.count(1) >= runtime.num_stages
+  # behind it and it sends to device 1 (its only peer). Device 1's own iterations must complete
+  # while device 0's program is still running: nothing of device 0's unfinished work may be
+  # queued on device 1. The tasks are stepped on this thread (no timing).
+  runtime = make_layup_runtime(2)
+  runtime.compile()
+  slow = straggler.DelayProgram(runtime.store.device(0))
+  slow.calibrate()
+  held_back = slow(6.0)
+  runtime.grant(4)
+  steps = 0
+  while runtime.iterations_done() < 2:  # device 0 cannot finish: its sends wait for its work
+    runtime.step()
+    steps += 1
+    assert steps < 10**6
+  assert runtime.stats.iterations_per_device()[0] >= 1  # device 0 did dispatch an iteration
+  jax.block_until_ready(runtime.store.stage_params(1))
+  assert not held_back.is_ready(), "device 1 waited for device 0's unfinished program"
+  assert runtime.outboxes[0].sent == 0  # device 0's stages were not computed: none left
+  jax.block_until_ready(held_back)
+  runtime.run_until(4, lambda _: None)  # device 0's iteration and its sends complete
+  runtime.close()
+  assert runtime.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+  assert runtime.outboxes[0].sent >= runtime.num_stages  # then they went to device 1
 
 
 def test_sends_to_a_device_with_a_full_queue_go_to_another_peer():
@@ -279,7 +224,7 @@ def test_sends_to_a_device_with_a_full_queue_go_to_another_peer():
   jax.block_until_ready(held_back)
   runtime.store.settle()
   assert runtime.store.pending_merges(1) == 0
-  assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+  assert runtime.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
 
 
 def test_no_device_trains_at_learning_rate_zero_before_the_run_ends():
@@ -292,29 +237,25 @@ def test_no_device_trains_at_learning_rate_zero_before_the_run_ends():
   tx = optim.make_optimizer(config, num_steps)
   runtime = make_layup_runtime(4, tx=tx, straggler_device=0, straggler_delay_iters=3.0)
   steps = {i: [] for i in range(4)}
-  update = runtime.store.update
 
-  def recording_update(params, opt_state, grads, step, *args):
-    device = next(iter(params.devices()))
-    steps[jax.devices().index(device)].append(step)
-    return update(params, opt_state, grads, step, *args)
-
-  def recording(backward_update):  # the stages below the loss stage update in their backward
-    def recorded(vjp, inputs, dy, opt_state, step, *args):
-      steps[jax.devices().index(next(iter(inputs[0].devices())))].append(step)
-      return backward_update(vjp, inputs, dy, opt_state, step, *args)
+  def recording(update, step_at):  # every stage's update is in its backward or loss program
+    def recorded(*args):
+      device = next(iter(jax.tree.leaves(args[:2])[0].devices()))
+      steps[jax.devices().index(device)].append(args[step_at])
+      return update(*args)
     return recorded
 
   runtime.compile()
-  runtime.store.update = recording_update
+  fns = runtime.store.steps
   runtime.store.steps = dataclasses.replace(
-      runtime.store.steps, backward_update=tuple(map(recording,
-                                                     runtime.store.steps.backward_update)))
+      fns, backward_update=tuple(recording(f, 4) for f in fns.backward_update),
+      backward_update_mix=tuple(recording(f, 4) for f in fns.backward_update_mix),
+      loss_update=recording(fns.loss_update, 7), loss_update_mix=recording(fns.loss_update_mix, 9))
   runtime.run_until(4 * num_steps, lambda _: None)
   runtime.close()
   schedule = optim.make_schedule(config, num_steps)
   per_device = {i: [int(s) for s in device_steps] for i, device_steps in steps.items()}
-  iterations = runtime.iterations_per_device()
+  iterations = runtime.stats.iterations_per_device()
   assert iterations[0] < 0.6 * min(iterations[1:])  # the straggler did fewer
   # Counted per device, as an Optax count would, the fast devices went past the schedule's end.
   assert max(iterations) > num_steps
@@ -356,11 +297,11 @@ def test_the_step_driven_optimizers_equal_optax_with_its_own_count():
 def test_batchnorm_policy_decides_whether_statistics_travel(bn_policy):
   runtime = make_layup_runtime(2, learning_rate=0.0, bn_policy=bn_policy)
   runtime.iterate_serial(1, None)  # device 1's statistics now differ from device 0's
-  receiver_before = jax.device_get(runtime.stage_state(0)[0])
+  receiver_before = jax.device_get(runtime.store.stage_state(0)[0])
   share = runtime.store.weights.receiver_share(0, 0, runtime.store.weights.values[1][0] / 2)
   runtime.iterate_serial(1, 0)
-  sender_after = jax.device_get(runtime.stage_state(1)[0])
-  received = jax.device_get(runtime.stage_state(0)[0])
+  sender_after = jax.device_get(runtime.store.stage_state(1)[0])
+  received = jax.device_get(runtime.store.stage_state(0)[0])
   if bn_policy == "mix":
     want = jax.tree.map(lambda r, s: share * r + (1 - share) * s, receiver_before, sender_after)
   else:
@@ -371,7 +312,7 @@ def test_batchnorm_policy_decides_whether_statistics_travel(bn_policy):
 
 
 def _test_loss(runtime, evaluator):
-  return evaluator.evaluate(runtime.snapshot())["loss"]
+  return evaluator.evaluate(runtime.stats.snapshot())["loss"]
 
 
 def test_threaded_layup_lowers_the_test_loss_and_stops_cleanly():
@@ -385,9 +326,9 @@ def test_threaded_layup_lowers_the_test_loss_and_stops_cleanly():
   after = _test_loss(runtime, evaluator)
   assert runtime.iterations_done() == 320 and progress[-1] == 320
   assert after < 0.5 * before
-  assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)  # no weight is lost
+  assert runtime.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)  # no weight is lost
   runtime.close()
-  assert runtime._threads and not [t for t in runtime._threads if t.is_alive()]
+  assert not _layup_threads_alive()
 
 
 def _ddp_runtime(num_devices):
@@ -410,7 +351,7 @@ def test_a_local_step_fused_into_the_backward_is_the_updaters_step():
     for i, peer in [(0, 1), (1, 2), (2, 0), (0, 2), (1, None), (2, 1)] * 2:
       runtime.iterate_serial(i, peer)
   (fused, unfused) = runtimes
-  assert fused._fused and not unfused._fused
+  assert fused.fuses_local_step and not unfused.fuses_local_step
   for i in range(3):
     chex.assert_trees_all_close(fused.store.stage_params(i), unfused.store.stage_params(i),
                                 atol=1e-6, rtol=1e-6)
@@ -449,64 +390,74 @@ def test_no_compilation_happens_inside_the_training_loop(algorithm):
     jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
-def test_an_exception_in_an_updater_thread_surfaces_with_its_device_and_stage():
+def _layup_threads_alive() -> list[str]:
+  return [t.name for t in threading.enumerate() if t.name.startswith("layup-")]
+
+
+def test_an_exception_in_an_updater_task_surfaces_with_its_device_and_stage():
   runtime = make_layup_runtime(4)
   runtime.compile()
-  merge = runtime.store.merge_fn
 
-  def failing_merge(*args):  # a merge runs on the sender's updater thread
-    if threading.current_thread().name == "layup-updater-2":
-      raise FloatingPointError("injected")
-    return merge(*args)
+  def failing_push(*args, **kwargs):  # device 2's sends, in its updater task
+    raise FloatingPointError("injected")
 
-  runtime.store.merge_fn = failing_merge
-  with pytest.raises(WorkerError, match=r"updater thread of device 2 failed at stage \d: "
+  runtime.outboxes[2].push = failing_push
+  with pytest.raises(WorkerError, match=r"updater task of device 2 failed at stage \d: "
                                         r"FloatingPointError: injected"):
     runtime.run_until(4 * 50, lambda _: None)
-  assert runtime._threads and not [t for t in runtime._threads if t.is_alive()]
+  assert not _layup_threads_alive()
 
 
 def test_an_exception_in_a_fused_local_update_surfaces_with_its_device_and_stage():
-  # Below the loss stage, a stage's local update is in its backward's program, on the compute
-  # thread: the first in backward order is stage 1 of the 3-stage model.
+  # Below the loss stage, a stage's local update is in its backward's program, in the compute
+  # task: the first in backward order is stage 1 of the 3-stage model.
   runtime = make_layup_runtime(4)
   runtime.compile()
+  device_2 = runtime.store.device(2)
 
   def failing(backward_update):
-    def run(*args):
-      if threading.current_thread().name == "layup-compute-2":
+    def run(vjp, inputs, *args):
+      if inputs[0].devices() == {device_2}:
         raise FloatingPointError("injected")
-      return backward_update(*args)
+      return backward_update(vjp, inputs, *args)
     return run
 
+  steps = runtime.store.steps
   runtime.store.steps = dataclasses.replace(
-      runtime.store.steps, backward_update=tuple(map(failing,
-                                                     runtime.store.steps.backward_update)))
-  with pytest.raises(WorkerError, match=r"compute thread of device 2 failed at stage 1: "
+      steps, backward_update=tuple(map(failing, steps.backward_update)),
+      backward_update_mix=tuple(map(failing, steps.backward_update_mix)))
+  with pytest.raises(WorkerError, match=r"compute task of device 2 failed at stage 1: "
                                         r"FloatingPointError: injected"):
     runtime.run_until(4 * 50, lambda _: None)
-  assert runtime._threads and not [t for t in runtime._threads if t.is_alive()]
+  assert not _layup_threads_alive()
 
 
-@pytest.mark.parametrize("algorithm", ["layup", "gosgd", "adpsgd"])
-@pytest.mark.parametrize("mode", ["host", "device"])
-def test_a_straggler_does_fewer_iterations_than_the_others(mode, algorithm):
-  # host: its compute thread idles; device: a delay program keeps its device busy.
-  runtime = make_layup_runtime(4, straggler_device=0, straggler_delay_iters=3.0,
-                               straggler_mode=mode, exchange=EXCHANGES[algorithm])
+@pytest.mark.parametrize("algorithm", ["layup", "gosgd"])
+def test_the_other_devices_train_on_while_a_straggling_device_is_busy(algorithm):
+  # Device 0's device is held back by a long program (a device-side straggler at its worst):
+  # the others take 30 iterations, sending to it and receiving from it, before that program
+  # ends. Nothing of theirs waits for device 0's work. (AD-PSGD's pairwise average does, by
+  # definition: a device paired with the straggler waits for its model, docs/runtime.md.)
+  # The tasks are stepped on this thread: no timing. How much fewer iterations a straggler
+  # takes is its clock's (tests/test_straggler.py) and scripts/bench_straggler.py's.
+  runtime = make_layup_runtime(4, exchange=EXCHANGES[algorithm])
   runtime.compile()
-  runtime.run_until(4 * 60, lambda _: None)
+  slow = straggler.DelayProgram(runtime.store.device(0))
+  slow.calibrate()
+  held_back = slow(6.0)
+  runtime.grant(4 * 20)
+  steps = 0
+  while runtime.iterations_done() < 30:
+    runtime.step()
+    steps += 1
+    assert steps < 10**6
+  assert not held_back.is_ready(), "the others waited for device 0's unfinished program"
+  assert runtime.stats.iterations_per_device()[0] <= 2  # dispatched behind the long program
+  assert sum(runtime.outboxes[i].sent for i in (1, 2, 3)) >= 30  # they did gossip
+  jax.block_until_ready(held_back)
+  runtime.run_until(4 * 20, lambda _: None)
   runtime.close()
-  iterations = [r.iteration for r in runtime.replicas]
-  assert sum(iterations) == 240
-  # At delay 3 the straggler's iteration takes about 4 of the others'. LayUp and GoSGD never
-  # wait for it (measured ratios 0.09-0.21). AD-PSGD's pairwise average reads both models as
-  # they stand once computed (Lian et al. 2018, Algorithm 1), so a fast device whose
-  # peer is the straggler waits for the work queued on the straggler's device: in device mode
-  # the fast updaters spent 3.2 s of a 1.4 s run (summed over 3) in such averages, and the
-  # ratio measured 0.45-0.62 in 9 runs (2026-11-24, 2-core CPU). docs/runtime.md reports it.
-  bound = 0.8 if algorithm == "adpsgd" else 0.6
-  assert iterations[0] < bound * min(iterations[1:])
+  assert runtime.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
 
 
 def test_without_gossip_each_device_trains_alone():
@@ -542,20 +493,11 @@ def test_one_scalar_per_iteration_names_the_first_non_finite_gradient():
 def test_an_updater_keeps_at_most_max_sends_in_flight_merges_not_yet_landed():
   runtime = make_layup_runtime(4, max_sends_in_flight=1)
   runtime.compile()
-  most = [0]
-  for outbox in runtime.outboxes:
-    send = outbox._send
-
-    def counted_send(*args, send=send, outbox=outbox):
-      merged = send(*args)
-      most[0] = max(most[0], outbox.in_flight())
-      return merged
-
-    outbox._send = counted_send
   runtime.run_until(4 * 20, lambda _: None)
   runtime.close()
-  assert most[0] == 1  # every send waited for the previous one to land
-  assert runtime.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+  # Every send waited for the previous one to land, and the bound was reached.
+  assert max(outbox.peak_in_flight for outbox in runtime.outboxes) == 1
+  assert runtime.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
 
 
 def _live_bytes(device) -> int:
@@ -589,7 +531,7 @@ def test_a_stage_sent_to_a_peer_arrives_as_an_exact_copy_on_that_device():
   tree = (jax.device_put(np.arange(5, dtype=np.float32), source),
           jax.device_put(np.ones((2, 3), jnp.bfloat16), source),
           np.arange(4, dtype=np.int32), np.int32(3))
-  for to_device in (transfer.implementation(), transfer._public):
+  for to_device in (transfer.implementation(), transfer.public):
     copied = to_device(tree, target)
     assert all(leaf.devices() == {target} for leaf in copied)
     assert [leaf.dtype for leaf in copied] == [np.float32, jnp.bfloat16, np.int32, np.int32]
@@ -606,7 +548,7 @@ def test_run_until_returns_with_every_iterations_loss_recorded(periodic):
   runtime.compile()
   for steps in (5, 9):
     runtime.run_until(4 * steps, lambda _: None)
-    assert sum(len(losses) for losses in runtime._losses) == 4 * steps
+    assert sum(len(losses) for losses in runtime.stats.losses) == 4 * steps
   runtime.close()
 
 

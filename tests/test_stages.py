@@ -116,30 +116,31 @@ def test_a_fused_backward_and_update_equals_the_backward_then_the_update():
   steps = stages.make_stage_steps(model, update=functools.partial(replicas.local_update, tx))
   key, iteration, step = jax.random.key(1), np.int32(0), np.int32(0)
   keys = [stages.stage_key(key, s) for s in range(model.num_stages)]
-  grads = [None] * model.num_stages
-  stages.staged_pass(model, steps, params.__getitem__, stages.states_in(list(state)), inputs,
-                     labels, keys, iteration, grads.__setitem__)
+  _, grads, _ = stages.staged_value_and_grad(model, steps, params, state, inputs, labels, key,
+                                             iteration)
   want = [replicas.local_update(tx, p, tx.init(p), g, step)[:2] for p, g in zip(params, grads)]
 
-  class Fused:
-    def __init__(self):
-      self.params = [None] * model.num_stages
+  class Fused(stages.FixedStages):
+    """The loss stage's and every backward's update in their programs, on fixed params."""
+
+    def loss(self, x, labels, key, iteration):
+      s = model.num_stages - 1
+      value, self.states[s], new, opt, _, dx = steps.loss_update(
+          params[s], self.states[s], x, labels, key, iteration, tx.init(params[s]), step,
+          np.int32(-1))
+      self.updated[s] = (new, opt)
+      return value, new, dx
 
     def backward(self, s, vjp, x, dy, tied_grad):
       new, opt, _, dx = steps.backward_update[s](vjp, (params[s], x), dy, tx.init(params[s]),
                                                 step, np.int32(-1), tied_grad)
-      self.params[s] = (new, opt)
+      self.updated[s] = (new, opt)
       return new, dx
 
-    def apply(self, s, stage_grads):
-      self.params[s] = replicas.local_update(tx, params[s], tx.init(params[s]), stage_grads,
-                                             step)[:2]
-      return self.params[s][0]
-
-  fused = Fused()
-  stages.staged_pass(model, steps, params.__getitem__, stages.states_in(list(state)), inputs,
-                     labels, keys, iteration, lambda s, out: None, local_step=fused)
-  chex.assert_trees_all_close(fused.params, want, atol=1e-6, rtol=1e-5)
+  fused = Fused(steps, params, list(state))
+  fused.updated = [None] * model.num_stages
+  stages.staged_pass(model, steps, fused, inputs, labels, keys, iteration, lambda s, out: None)
+  chex.assert_trees_all_close(fused.updated, want, atol=1e-6, rtol=1e-5)
   tied = ("wte", "embedding")
-  moved = np.abs(fused.params[0][0][tied[0]][tied[1]] - params[0][tied[0]][tied[1]]).max()
+  moved = np.abs(fused.updated[0][0][tied[0]][tied[1]] - params[0][tied[0]][tied[1]]).max()
   assert moved > 0

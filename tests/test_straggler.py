@@ -1,7 +1,8 @@
 """The straggler's clock (paper Section 5.4): a device slowed by a multiple of its own time.
 
 On a simulated device: its programs run in dispatch order in virtual time, and the host's
-clock advances by the host's own work and by waiting for outputs. Timings on the CPU these
+clock advances by the host's own work and by waiting for outputs. The clock's steps are tasks
+(`layup_jax.scheduler`), driven here with the simulated device's waits. Timings on the CPU these
 tests share with others are not reproducible (under the multi-process tests beside them a
 cycle's slowdown over a period timed before it ranged 1.55x to 6.9x in 25 runs);
 scripts/bench_straggler_device.py measures the clock on real devices.
@@ -12,7 +13,7 @@ import statistics
 
 import pytest
 
-from layup_jax import straggler
+from layup_jax import scheduler, straggler
 
 CALIBRATED = 1e-5  # seconds per unit of the delay program, as calibrated on an idle device
 HOST, WORK = 0.9e-3, 1e-3  # an iteration's host dispatch and device work, in seconds
@@ -59,8 +60,8 @@ class SimulatedDelayProgram:
     self.units_dispatched += units
     return self.device.run(units * CALIBRATED * self.device.delay_slowdown)
 
-  def drain(self) -> None:
-    self.device.wait(self.device.run(0.0))
+  def drain(self) -> _Output:
+    return self.device.run(0.0)
 
 
 @pytest.fixture
@@ -68,7 +69,6 @@ def device(monkeypatch) -> SimulatedDevice:
   simulated = SimulatedDevice()
   monkeypatch.setattr(straggler, "DelayProgram", lambda _: SimulatedDelayProgram(simulated))
   monkeypatch.setattr(straggler.IterationClock, "now", staticmethod(lambda: simulated.now))
-  monkeypatch.setattr(straggler.IterationClock, "wait", staticmethod(simulated.wait))
   return simulated
 
 
@@ -82,12 +82,12 @@ def _cycle_seconds(clock, device: SimulatedDevice, cycles: int, on_cycle=None) -
   """Runs `cycles` cycles of the clock's iterations; each cycle's seconds per iteration."""
   starts = []
   for n in range(cycles * clock.MEASURE_EVERY):
-    clock.start_iteration(idle=device.host)
+    scheduler.drive(clock.start_iteration(), wait=device.wait, sleep=device.host)
     if n % clock.MEASURE_EVERY == 0:
       starts.append(device.now)
       if on_cycle is not None:
         on_cycle(len(starts) - 1)
-    clock.end_iteration(device.iteration())
+    scheduler.drive(clock.end_iteration(device.iteration()), wait=device.wait)
   return [(b - a) / clock.MEASURE_EVERY for a, b in itertools.pairwise(starts)]
 
 

@@ -3,7 +3,8 @@
 from collections.abc import Callable
 
 from layup_jax.algorithms import ddp, gossip, layup, periodic
-from layup_jax.algorithms.base import Runtime, Snapshot
+from layup_jax.algorithms.base import Runtime
+from layup_jax.snapshot import Snapshot
 
 _REGISTRY: dict[str, Callable[..., Runtime]] = {
     "layup": layup.build,

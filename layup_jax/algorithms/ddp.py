@@ -32,7 +32,8 @@ from layup_jax import distributed, flops, nonfinite
 from layup_jax.algorithms.base import init_model
 from layup_jax.data import Dataset, TrainStreams
 from layup_jax.errors import NonFiniteError
-from layup_jax.measurements import mean_or_nan
+from layup_jax.run_stats import RunStats
+from layup_jax.scheduler import drive
 from layup_jax.snapshot import Snapshot
 from layup_jax.stages import StagedModel
 from layup_jax.straggler import IterationClock
@@ -77,7 +78,7 @@ def train_step(model: StagedModel, tx: optax.GradientTransformation, params, sta
 class DDPRuntime:
   """The synchronous baseline behind the same interface as LayUp's runtime."""
 
-  donates_buffers = True  # each step donates params, state and Optax state
+  arrays_stay_valid = False  # each step donates params, state and Optax state (checkpoints)
 
   def __init__(self, model, tx, devices, train_batches, params, state, example_batch, *,
                seed: int, straggler_delay_iters: float = 0.0, straggler_mode: str = "host",
@@ -112,9 +113,12 @@ class DDPRuntime:
         donate_argnums=(0, 1, 2),
     )
     self._steps_done = 0
-    self._skipped = 0
     self._clock = IterationClock(straggler_delay_iters, straggler_mode, devices[straggler_device])
-    self._losses: list[float] = []
+    # Every process holds the whole (replicated) model: nothing to collect across processes.
+    self.stats = RunStats(1, model.num_stages, self._snapshot,
+                          lambda: [[1.0] * model.num_stages],
+                          lambda: [self._steps_done] * self.num_devices, timed=False)
+    self.checkpoint = self  # one replicated model: `state_dict` and its kin are the runtime's
 
   def _global_batch(self):
     batches = [next(it) for it in self._train_batches]
@@ -146,9 +150,9 @@ class DDPRuntime:
     """Reads one step's loss and gradient flags: records, skips or raises NonFiniteError."""
     value, finite = float(loss), np.asarray(finite)
     if math.isfinite(value) and finite.all():
-      self._losses.append(value)
+      self.stats.record_loss(0, value)
     elif self._skip_nonfinite:
-      self._skipped += 1
+      self.stats.skipped[0] += 1
     else:
       where = (f"gradient of stage {int(np.argmin(finite))} (the first non-finite)"
                if not finite.all() else f"loss ({value}), stage {len(finite) - 1}")
@@ -160,7 +164,7 @@ class DDPRuntime:
                 should_stop: Callable[[], bool] = lambda: False) -> None:
     pending = None
     while self.iterations_done() < iterations and not should_stop():
-      self._clock.start_iteration()
+      drive(self._clock.start_iteration())
       inputs, targets = self._global_batch()
       iteration = distributed.put(np.int32(self._steps_done), self._replicated)
       self.params, self.state, self.opt_state, loss, finite = self._step(
@@ -170,7 +174,7 @@ class DDPRuntime:
       if pending is not None:  # one step of dispatch ahead, as LayUp's default
         self._check(*pending)
       pending = (self._steps_done - 1, loss, finite)
-      self._clock.end_iteration(loss)
+      drive(self._clock.end_iteration(loss))
       on_progress(self.iterations_done())
     if pending is not None:
       self._check(*pending)
@@ -178,35 +182,13 @@ class DDPRuntime:
   def iterations_done(self) -> int:
     return self._steps_done * self.num_devices
 
-  def collect(self) -> None:
-    """Nothing: every process reads the one replicated model."""
-
-  def remote_send_latencies(self) -> list[float]:
-    return []  # no gossip
-
-  def snapshot(self) -> Snapshot:
+  def _snapshot(self) -> Snapshot:
     ones = [[1.0] * len(self.params)]
     # This process's copy of the replicated model (in a multi-process run the global arrays
     # span devices it cannot read).
     local = lambda tree: jax.tree.map(lambda a: a.addressable_data(0), list(tree))
     return Snapshot(params=[local(self.params)], state=[local(self.state)], weights=ones,
                     state_weights=ones)
-
-  def train_loss(self) -> float:
-    losses, self._losses = self._losses, []
-    return mean_or_nan(losses)
-
-  def weight_sums(self) -> list[float]:
-    return [1.0] * len(self.params)
-
-  def skipped_steps(self) -> int:
-    return self._skipped
-
-  def stage_latencies(self) -> None:
-    return None  # one fused step: no stage is updated on its own
-
-  def iterations_per_device(self) -> list[int]:
-    return [self._steps_done] * self.num_devices
 
   def flops_per_iteration(self) -> float:
     """XLA's FLOPs of one device's iteration: the step on one device's batch, lowered (as
@@ -230,8 +212,8 @@ class DDPRuntime:
 
   def state_dict(self):
     meta = {"num_devices": self.num_devices, "steps_done": self._steps_done,
-            "iterations_done": self.iterations_done(), "losses": list(self._losses),
-            "clock": self._clock.get_state(), "skipped": self._skipped}
+            "iterations_done": self.iterations_done(), "losses": list(self.stats.losses[0]),
+            "clock": self._clock.get_state(), "skipped": self.stats.skipped[0]}
     return self._arrays(), meta
 
   def restore_template(self, meta):
@@ -243,8 +225,8 @@ class DDPRuntime:
     self.params, self.state = arrays["params"], arrays["state"]
     self.opt_state = arrays["opt_state"]
     self._key = distributed.put(jax.random.wrap_key_data(arrays["key"]), self._replicated)
-    self._steps_done, self._skipped = int(meta["steps_done"]), int(meta["skipped"])
-    self._losses = list(meta["losses"])
+    self._steps_done, self.stats.skipped[0] = int(meta["steps_done"]), int(meta["skipped"])
+    self.stats.losses[0] = list(meta["losses"])
     self._clock.set_state(meta["clock"])
 
   def close(self) -> None:

@@ -33,7 +33,7 @@ class GoSGD(LocalStepsExchange):
   """Local steps stage by stage; after the last, the whole model pushed to one peer, stage by
   stage, with push-sum weights."""
 
-  def end(self, i: int, context) -> None:
+  def end(self, i: int, context):
     j = self.peers.pick(i)
     if j is None:
       return
@@ -42,7 +42,7 @@ class GoSGD(LocalStepsExchange):
     outbox = self.links.outboxes[i]
     for s in range(self.store.num_stages):
       outbox.push(j, s, model_weight[s] if model_weight else None)
-    outbox.flush()
+    yield from outbox.flush()
     if model_weight:
       self.store.add_model_weight(j, model_weight)
 
@@ -57,12 +57,12 @@ class ADPSGD(LocalStepsExchange):
   def begin(self, i: int) -> int | None:
     return self.peers.pick(i)
 
-  def on_stage(self, i: int, peer: int | None, s: int, grads, step: jax.Array) -> None:
+  def on_stage(self, i: int, peer: int | None, s: int, grads, step: jax.Array):
     remote = self.links.remote
     if peer is not None and remote is not None and remote.is_remote(peer):
       remote.average(i, peer, s, self.links.stopped)  # the peer's process corrects its side
     elif peer is not None:
-      self.store.average_pair(i, peer - self.peers.first, s)
+      yield from self.store.average_pair(i, peer - self.peers.first, s)
     self.store.local_step(i, s, grads, step)
 
   def end(self, i: int, peer: int | None) -> None:

@@ -68,10 +68,10 @@ class LayUp(StatelessExchange):
     amount = it.model_weight[s] if it.model_weight else None
     return self.links.outboxes[i].push(it.peer, s, amount)
 
-  def end(self, i: int, it: Iteration) -> None:
+  def end(self, i: int, it: Iteration):
     if it.peer is None:
       return
-    self.links.outboxes[i].flush()
+    yield from self.links.outboxes[i].flush()
     if it.model_weight:
       self.store.add_model_weight(it.peer, it.model_weight)
 

@@ -29,16 +29,18 @@ one period late (one chain of results, not two). The staleness-gap penalty of CO
 as in the LayUp paper's comparison.
 
 BatchNorm statistics follow `layup.bn_policy`: "mix" averages them with the parameters at each
-boundary; "local" keeps each device's own. Inner optimizer states stay local. A compute thread
+boundary; "local" keeps each device's own. Inner optimizer states stay local. A compute task
 does not start the first iteration of a period before its device's model has been reset for it;
 an updater never waits at a boundary (it contributes, and the reset happens when the result is
-ready: by the last device to arrive, or by the compute thread before its next iteration). So
+ready: by the last device to arrive, or by the compute task before its next iteration). So
 whenever every started iteration has finished the runtime is at a consistent point, and a
 checkpoint holds the contributions of periods not yet averaged.
 """
 
+import collections
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -55,7 +57,8 @@ from layup_jax.errors import ConfigError
 from layup_jax.exchange import Links, LocalStepsExchange
 from layup_jax.options import RuntimeOptions
 from layup_jax.replicas import device_arrays_like
-from layup_jax.runtime import AsyncRuntime, PeriodSync
+from layup_jax.runtime import AsyncRuntime
+from layup_jax.scheduler import Task, Until
 from layup_jax.stages import StagedModel
 
 PyTree = Any
@@ -162,6 +165,42 @@ def sync_step(stacked_params, stacked_state, base, previous, anchor, outer_state
   return anchor, anchor, outer_state, average_state
 
 
+class PeriodSync:
+  """Rendezvous of all devices at the end of each averaging period.
+
+  Device i's `arrive(period)` counts it in; the last device to arrive runs `action(period)`
+  (before returning) and the period is then done. Only this bookkeeping is locked; a device
+  that waits for a period does so in its task (`PeriodicAveraging.before_iteration`).
+  """
+
+  def __init__(self, num_devices: int, action: Callable[[int], None]):
+    self._num, self._action = num_devices, action
+    self._lock = threading.Lock()
+    self._arrived: dict[int, int] = collections.defaultdict(int)
+    self.done = 0  # periods whose action has run (they complete in order)
+
+  def arrive(self, period: int) -> bool:
+    """Counts the caller in; True if it was the last and has run the action."""
+    with self._lock:
+      self._arrived[period] += 1
+      if self._arrived[period] < self._num:
+        return False
+      del self._arrived[period]
+      self._action(period)
+      self.done = period
+      return True
+
+  def arrived(self) -> dict[int, int]:
+    with self._lock:
+      return dict(self._arrived)
+
+  def restore(self, done: int, arrived: dict[int, int]) -> None:
+    """Continues a checkpointed run: `done` periods complete, `arrived[p]` devices at p."""
+    with self._lock:
+      self.done = done
+      self._arrived = collections.defaultdict(int, arrived)
+
+
 class PeriodicAveraging(LocalStepsExchange):
   """Local steps, then exact global averages every `tau` iterations (see the module doc)."""
 
@@ -183,7 +222,7 @@ class PeriodicAveraging(LocalStepsExchange):
     self._mix_state = links.options.bn_policy == "mix"
     self._mesh = collectives.DeviceMesh([r.device for r in store.replicas], links.run_devices)
     total = len(links.run_devices)  # the mean is over every process's devices
-    self._sync = PeriodSync(self.num_devices, self._average, links.stopped)
+    self._sync = PeriodSync(self.num_devices, self._average)
     self._finished = [0] * self.num_devices  # iterations whose updates device i has applied
     self._applied = [0] * self.num_devices  # boundaries whose reset device i has applied
     self._contributions: dict[int, list] = {}
@@ -268,8 +307,7 @@ class PeriodicAveraging(LocalStepsExchange):
       # The last device to arrive averages; with lag 0 it also resets every model.
       self._sync.arrive(boundary)
       self._take_ready_result(i, boundary)  # CO2: the stale average may be ready
-    self._finished[i] = finished  # after the reset: the compute thread may now reset instead
-    self._sync.notify()
+    self._finished[i] = finished  # after the reset: the compute task may now reset instead
 
   def settle(self) -> None:
     """A device that contributed at a boundary before the average it continues from was
@@ -284,9 +322,12 @@ class PeriodicAveraging(LocalStepsExchange):
     k = self.store.replicas[i].iteration
     return bool(k) and k % self.tau == 0  # at a boundary: until the others arrive
 
-  def before_iteration(self, i: int, wait: bool) -> None:
+  def before_iteration(self, i: int) -> Task | None:
     if not self.may_wait_before_iteration(i):
-      return
+      return None
+    return self._wait_at_boundary(i)
+
+  def _wait_at_boundary(self, i: int) -> Task:
     k = self.store.replicas[i].iteration
     boundary = k // self.tau
     needed = boundary - self.lag
@@ -295,12 +336,9 @@ class PeriodicAveraging(LocalStepsExchange):
       return self._applied[i] >= boundary or (self._finished[i] >= k
                                               and self._sync.done >= needed)
 
-    if not wait and not ready():
-      raise RuntimeError(f"serial mode: device {i} reached boundary {boundary} before every "
-                         f"device reached boundary {needed}")
-    self._sync.wait_until(ready)
-    if self._take_ready_result(i, boundary):  # it was not ready when this device arrived
-      self._sync.notify()
+    if not ready():
+      yield Until(ready, f"every device at boundary {needed} (device {i} is at {boundary})")
+    self._take_ready_result(i, boundary)  # it was not ready when this device arrived
 
   # --- checkpoints --------------------------------------------------------------------------------
 

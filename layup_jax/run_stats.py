@@ -1,0 +1,136 @@
+"""What a run reports besides its progress: the models, training losses, push-sum weights,
+iterations per device, skipped steps and update latencies, read by the runner at each record.
+
+One object for every runtime (LayUp's and the baselines' on layup_jax/runtime.py, and DDP):
+the runtime records into it as it trains, the runner reads from it at consistent points. Reads
+of what accumulates (losses, latencies) drain it: each record covers the span since the last.
+Across processes each process holds its own devices' part; `collect` (a collective, every
+process at the same consistent point) brings every part to every process, and the reads then
+cover the whole run until the next `collect`.
+"""
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+from layup_jax.measurements import mean_or_nan
+from layup_jax.snapshot import Snapshot
+
+
+class RunStats:
+  """Per device (of this process): losses, skipped steps, update-latency samples."""
+
+  def __init__(self, num_devices: int, num_stages: int, read_snapshot: Callable[[], Snapshot],
+               read_weights: Callable[[], list[list[float]]],
+               read_iterations: Callable[[], list[int]],
+               gather: Callable[[Any], list[Any]] | None = None,
+               remote_latencies: collections.deque | None = None, timed: bool = True):
+    """`read_*` give this process's models, push-sum weights and iterations per device;
+    `gather` (a run across processes: `distributed.all_gather_pickled`) collects a value from
+    every process; `remote_latencies` are the seconds of sends from other processes, as they
+    merge; `timed`: whether stages' update latencies are sampled at all (DDP's are not)."""
+    self.num_stages = num_stages
+    self.losses: list[list[float]] = [[] for _ in range(num_devices)]
+    self.skipped = [0] * num_devices
+    self.latencies: list[collections.deque] = [collections.deque() for _ in range(num_devices)]
+    self._read_snapshot, self._read_weights = read_snapshot, read_weights
+    self._read_iterations, self._gather = read_iterations, gather
+    self._remote = remote_latencies if remote_latencies is not None else collections.deque()
+    self._timed = timed
+    self._collected: dict[str, Any] | None = None
+
+  # --- what the runtime records ----------------------------------------------------------------
+
+  def record_loss(self, i: int, loss: float) -> None:
+    self.losses[i].append(loss)
+
+  def add_latency(self, i: int, s: int, seconds: float) -> None:
+    self.latencies[i].append((s, seconds))
+
+  # --- what the runner reads -------------------------------------------------------------------
+
+  def collect(self) -> None:
+    """Across processes, brings every process's part to every process (a collective: every
+    process calls it at the same consistent point); in one process, nothing."""
+    if self._gather is None:
+      return
+    from layup_jax import crossprocess  # the host copies of device arrays
+
+    snapshot = self._read_snapshot()
+    mine = {"snapshot": {"params": crossprocess.host_tree(snapshot.params),
+                         "state": crossprocess.host_tree(snapshot.state),
+                         "weights": snapshot.weights, "state_weights": snapshot.state_weights},
+            "losses": self._drain_losses(), "latencies": self._drain_latencies(),
+            "iterations": self._read_iterations(), "skipped": list(self.skipped),
+            "remote_latencies": self._drain_remote()}
+    parts = self._gather(mine)
+    joined = lambda key: [x for part in parts for x in part[key]]
+    fields = ("params", "state", "weights", "state_weights")
+    self._collected = {
+        "snapshot": Snapshot(**{f: [x for part in parts for x in part["snapshot"][f]]
+                                for f in fields}),
+        "losses": joined("losses"), "iterations": joined("iterations"),
+        "skipped": joined("skipped"), "remote_latencies": joined("remote_latencies"),
+        "latencies": [[x for part in parts for x in part["latencies"][s]]
+                      for s in range(self.num_stages)],
+    }
+
+  def _part(self, key: str, read: Callable[[], Any]) -> Any:
+    """The whole run's `key` after a `collect`, else this process's (`read()`)."""
+    return self._collected[key] if self._collected is not None else read()
+
+  def _take(self, key: str, drain: Callable[[], Any], empty: Any) -> Any:
+    """As `_part`, for what a read drains: the collected value is handed out once."""
+    if self._collected is not None:
+      return self._collected.pop(key, empty)
+    return drain()
+
+  def snapshot(self) -> Snapshot:
+    return self._part("snapshot", self._read_snapshot)
+
+  def train_loss(self) -> float:
+    """Mean training loss since the previous call (NaN if none was recorded)."""
+    return mean_or_nan(self._take("losses", self._drain_losses, []))
+
+  def weight_sums(self) -> list[float]:
+    """Per stage, the sum over devices of the push-sum weights (1 while none is lost)."""
+    weights = self._part("snapshot", lambda: None)
+    rows = weights.weights if weights is not None else self._read_weights()
+    return [float(sum(column)) for column in zip(*rows)]
+
+  def iterations_per_device(self) -> list[int]:
+    """Iterations each device has done (a straggler does fewer under LayUp)."""
+    return list(self._part("iterations", self._read_iterations))
+
+  def skipped_steps(self) -> int:
+    """Iterations whose update was skipped for a non-finite gradient (`faults.nonfinite`)."""
+    return sum(self._part("skipped", lambda: self.skipped))
+
+  def stage_latencies(self) -> list[list[float]] | None:
+    """Per stage, the update latencies (s) sampled since the previous call; None if stages
+    are not timed."""
+    if not self._timed:
+      return None
+    return self._take("latencies", self._drain_latencies, [[] for _ in range(self.num_stages)])
+
+  def remote_send_latencies(self) -> list[float]:
+    """Seconds from offer to merge of each send from another process's device since the
+    previous call (none in one process, or without gossip)."""
+    return self._take("remote_latencies", self._drain_remote, [])
+
+  def _drain_losses(self) -> list[float]:
+    losses = [loss for per_device in self.losses for loss in per_device]
+    for per_device in self.losses:
+      per_device.clear()
+    return losses
+
+  def _drain_latencies(self) -> list[list[float]]:
+    per_stage: list[list[float]] = [[] for _ in range(self.num_stages)]
+    for samples in self.latencies:
+      while samples:
+        s, seconds = samples.popleft()
+        per_stage[s].append(seconds)
+    return per_stage
+
+  def _drain_remote(self) -> list[float]:
+    return [self._remote.popleft() for _ in range(len(self._remote))]

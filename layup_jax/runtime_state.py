@@ -1,0 +1,153 @@
+"""An `AsyncRuntime`'s checkpoint: what resumes it, assembled from its parts.
+
+At a consistent point (every task idle between iterations) the runtime's state is each device's
+replica and stage keys (the rows this process writes of one array per dtype,
+`checkpointing.DeviceRows`), the exchange's own state, and metadata: iterations, push-sum
+weights, peer samplers, straggler clocks, losses not yet recorded, skip counts. Across
+processes each process writes its own devices' rows and process 0 the rest, gathered; a
+checkpoint of one process resumes on another device count (remapped, layup_jax/remap.py).
+"""
+
+from typing import Any
+
+from layup_jax import crossprocess, distributed
+from layup_jax.checkpointing import DeviceRows
+from layup_jax.errors import ConfigError
+
+PyTree = Any
+# 2: per-stage push-sum weights, step-driven schedules; 3: replicas and stage keys as rows of
+# arrays sharded over the devices (`checkpointing.DeviceRows`).
+CHECKPOINT_FORMAT = 3
+_OWN_ARRAYS = ("replicas", "stage_keys")  # the runtime's checkpoint arrays; the others: exchange
+
+
+def _exchange_arrays(arrays: dict) -> dict:
+  """The exchange's entries of a checkpoint's arrays (all but `_OWN_ARRAYS`)."""
+  return {key: value for key, value in arrays.items() if key not in _OWN_ARRAYS}
+
+
+class RuntimeCheckpoint:
+  """`state_dict`, `restore_template` and `load_state_dict` of one `AsyncRuntime`."""
+
+  # Optax states are donated to their updates: a checkpoint's arrays are copied before the
+  # runtime trains on.
+  arrays_stay_valid = False
+
+  def __init__(self, runtime):
+    self.rt = runtime
+
+
+  def state_dict(self) -> tuple[PyTree, dict[str, Any]]:
+    """(device arrays, JSON-able metadata) that resume the runtime; at a consistent point."""
+    # Each device's replica and keys: rows of the checkpoint's arrays that this process writes.
+    arrays = {key: DeviceRows(value, self.rt.first, self.rt.total_devices, self.rt.run_devices)
+              for key, value in self.rt.store.arrays().items()}
+    exchange_arrays, exchange_meta = self.rt.exchange.state_dict()
+    arrays.update(exchange_arrays)
+    meta = {
+        "format": CHECKPOINT_FORMAT,
+        "num_devices": self.rt.num_devices,
+        "iterations_done": self.rt.iterations_done(),
+        "iterations": [r.iteration for r in self.rt.store.replicas],
+        "weights": [list(row) for row in self.rt.store.weights.values],
+        "peer_rngs": self.rt.peers.get_state(),
+        "clocks": [c.get_state() for c in self.rt.clocks],
+        "losses": [list(per_device) for per_device in self.rt.stats.losses],
+        "skipped": list(self.rt.stats.skipped),
+        "exchange": exchange_meta,
+    }
+    if self.rt.across_processes:
+      return self._whole_run_state(arrays, meta)
+    return arrays, meta
+
+  # Per-device entries of the checkpoint metadata (each process holds its devices' part).
+  _PER_DEVICE_META = ("iterations", "weights", "peer_rngs", "clocks", "losses", "skipped")
+
+  def _whole_run_state(self, arrays: PyTree, meta: dict[str, Any]) -> tuple[PyTree, dict]:
+    """Across processes: the whole run's state, of which each process writes its own devices'
+    replicas (`DeviceRows`) and process 0 the rest, which every process holds the same: the
+    metadata of every process and the exchange's state, gathered (host copies of what differs
+    between processes; what the exchange holds the same on every process is this process's
+    copy). A collective, at a consistent point."""
+    exchange_arrays = _exchange_arrays(arrays)
+    same = set(self.rt.exchange.same_on_every_process)
+    own_copy = crossprocess.host_tree({k: v for k, v in exchange_arrays.items() if k in same})
+    parts = distributed.all_gather_pickled({
+        "arrays": crossprocess.host_tree({k: v for k, v in exchange_arrays.items()
+                                          if k not in same}),
+        "meta": meta, "first": self.rt.first})
+    whole = {key: arrays[key] for key in _OWN_ARRAYS}
+    exchange_arrays, exchange_meta = self.rt.exchange.whole_run_state(
+        [({**own_copy, **part["arrays"]}, part["meta"]["exchange"], part["first"])
+         for part in parts])
+    whole.update(exchange_arrays)
+    whole_meta = {**meta, "num_devices": self.rt.total_devices, "exchange": exchange_meta,
+                  "iterations_done": sum(part["meta"]["iterations_done"] for part in parts)}
+    for key in self._PER_DEVICE_META:
+      whole_meta[key] = [x for part in parts for x in part["meta"][key]]
+    return whole, whole_meta
+
+  def _own_part(self, arrays: PyTree, meta: dict[str, Any]) -> tuple[PyTree, dict]:
+    """This process's devices' part of a whole-run checkpoint (`_whole_run_state`); its
+    replicas are this process's already (`restore_template`)."""
+    self._check_same_devices(meta)
+    own = slice(self.rt.first, self.rt.first + self.rt.num_devices)
+    part = {key: arrays[key] for key in _OWN_ARRAYS}
+    if any(len(part[key]) != self.rt.num_devices for key in _OWN_ARRAYS):
+      raise ValueError("across processes a state holds this process's replicas only")
+    exchange_arrays, exchange_meta = self.rt.exchange.own_part(
+        _exchange_arrays(arrays), meta["exchange"], self.rt.first, self.rt.num_devices)
+    part.update(exchange_arrays)
+    part_meta = {**meta, "num_devices": self.rt.num_devices, "exchange": exchange_meta,
+                 "iterations_done": meta["iterations_done"] // self.rt.total_devices
+                 * self.rt.num_devices}
+    for key in self._PER_DEVICE_META:
+      part_meta[key] = meta[key][own]
+    return part, part_meta
+
+  def _check_same_devices(self, meta: dict[str, Any]) -> None:
+    if meta["num_devices"] != self.rt.total_devices:
+      raise ConfigError(f"this checkpoint holds {meta['num_devices']} devices' replicas; across "
+                        f"processes a run resumes on as many ({self.rt.total_devices} here)")
+
+  def _check_format(self, meta: dict[str, Any]) -> None:
+    if meta.get("format") != CHECKPOINT_FORMAT:
+      raise ConfigError(
+          f"this checkpoint was written by an earlier layup_jax (checkpoint format "
+          f"{meta.get('format', 1)}, this version's: {CHECKPOINT_FORMAT}); resume it with the "
+          f"version that wrote it, or start the run in a new workdir")
+
+  def restore_template(self, meta: dict[str, Any]) -> PyTree:
+    """Across processes, this process's devices' replicas (their rows of the checkpoint); in
+    one process, every saved replica (remapped by `load_state_dict` to another count)."""
+    self._check_format(meta)
+    if self.rt.across_processes:
+      self._check_same_devices(meta)
+      template = {key: DeviceRows(value, self.rt.first, self.rt.total_devices, self.rt.run_devices)
+                  for key, value in self.rt.store.restore_template(self.rt.num_devices).items()}
+    else:
+      template = {key: DeviceRows(value) for key, value in
+                  self.rt.store.restore_template(meta["num_devices"]).items()}
+    template.update(self.rt.exchange.restore_template(meta["exchange"]))
+    return template
+
+  def load_state_dict(self, arrays: PyTree, meta: dict[str, Any]) -> None:
+    """Continues from `state_dict()`'s output, remapped if it was saved on other devices."""
+    self._check_format(meta)
+    if self.rt.across_processes:
+      arrays, meta = self._own_part(arrays, meta)
+    saved = meta["num_devices"]
+    source = self.rt.store.load(arrays, meta["weights"], meta["iterations"])
+    stats = self.rt.stats
+    for k in range(self.rt.num_devices):
+      if k < saved:  # a device that existed keeps its clock and skip count
+        self.rt.clocks[k].set_state(meta["clocks"][k])
+        stats.skipped[k] = int(meta["skipped"][source[k]])
+        if saved == self.rt.num_devices:
+          stats.losses[k] = list(meta["losses"][k])
+    if saved == self.rt.num_devices:
+      self.rt.peers.set_state(meta["peer_rngs"])
+    else:
+      self.rt.peers.set_state(meta["peer_rngs"][:self.rt.num_devices] + self.rt.peers.get_state()[saved:])
+    self.rt.exchange.load_state_dict(arrays, meta["exchange"], saved)
+    self.rt.restored(meta["iterations_done"] // saved * self.rt.num_devices)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU checks of the runtime's speed, in one run on a lent GPU machine (docs/host.md):
+#   bench_host  --cases resnet18-cifar --algorithms layup   the host's time per device-iteration on
+#               that machine's CPU cores (8 fake CPU devices: the host's dispatch cost where the
+#               cores are not shared with the device work, as they are on a 2-core machine)
+#   bench_step  --cases resnet18-cifar-b128 gpt2-124m-bf16  runtime and fused step on the GPU, MFU
+# for this tree and, given BEFORE (another checkout of the project), for that one too, with this
+# tree's benchmark scripts copied into it so that both are measured by the same harness. Each
+# command has its own time limit, so that one overrun leaves the others' figures; the JSON and
+# logs go to $OUT (or ./bench_gpu_out).
+#
+#   bash scripts/bench_gpu.sh [BEFORE]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p "${OUT:-bench_gpu_out}"
+out=$(cd "${OUT:-bench_gpu_out}" && pwd)
+before="${1:-}"
+trees=(".")
+if [[ -n "$before" ]]; then
+  cp scripts/bench_host.py scripts/bench_step.py "$before/scripts/"
+  trees+=("$before")
+fi
+export PYTHONUNBUFFERED=1
+run() {  # name limit command...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "exit $? after ${SECONDS}s"
+  tail -n 4 "$out/$name.log"
+}
+for tree in "${trees[@]}"; do
+  tag=$([[ "$tree" == "." ]] && echo after || echo before)
+  (cd "$tree" && JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    run "host_$tag" 100 python3 scripts/bench_host.py --cases resnet18-cifar --algorithms layup \
+    --repeats 5 --steps 15 --out "$out/bench_host_$tag.json")
+done
+for tree in "${trees[@]}"; do
+  tag=$([[ "$tree" == "." ]] && echo after || echo before)
+  (cd "$tree" && run "step_$tag" 170 python3 scripts/bench_step.py \
+    --cases resnet18-cifar-b128 gpt2-124m-bf16 --sides runtime fused --repeats 5 \
+    --out "$out/bench_step_$tag.json")
+done
