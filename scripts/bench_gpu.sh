@@ -32,12 +32,12 @@ run() {  # name limit command...
 for tree in "${trees[@]}"; do
   tag=$([[ "$tree" == "." ]] && echo after || echo before)
   (cd "$tree" && JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-    run "host_$tag" 100 python3 scripts/bench_host.py --cases resnet18-cifar --algorithms layup \
+    run "host_$tag" 90 python3 scripts/bench_host.py --cases resnet18-cifar --algorithms layup \
     --repeats 5 --steps 15 --out "$out/bench_host_$tag.json")
 done
 for tree in "${trees[@]}"; do
   tag=$([[ "$tree" == "." ]] && echo after || echo before)
-  (cd "$tree" && run "step_$tag" 170 python3 scripts/bench_step.py \
+  (cd "$tree" && run "step_$tag" 160 python3 scripts/bench_step.py \
     --cases resnet18-cifar-b128 gpt2-124m-bf16 --sides runtime fused --repeats 5 \
     --out "$out/bench_step_$tag.json")
 done
