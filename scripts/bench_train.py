@@ -1,0 +1,98 @@
+"""The user's command, side by side: training time and samples/s of each algorithm on one task.
+
+Runs `python -m layup_jax.train --config <config>:<algorithm>` for every algorithm in turn,
+`--repeats` rounds, alternating (round r runs every algorithm once before round r+1 starts), each
+in its own process with its own workdir; reads each run's summary.json. Training time is the
+summary's `wall_time_s` (compilation excluded; evaluations and checkpoint saves included, as
+the command runs them); samples/s is `train_samples_per_s`. The table gives medians over rounds
+and, per algorithm, the median over rounds of its time divided by the first algorithm's in the
+same round, so both sides see the same moments of a shared machine.
+
+  python scripts/bench_train.py --config configs/digits.py --algorithms layup ddp --repeats 3
+  python scripts/bench_train.py --config configs/fashion_mnist.py --algorithms layup ddp \
+      --set num_steps=234 --repeats 3 --out bench_train_fashion.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from layup_jax import provenance  # noqa: E402  (after the path insert)
+
+
+def run_once(config: str, algorithm: str, overrides: list[str], workdir: str) -> dict:
+  command = [sys.executable, "-m", "layup_jax.train", "--config", f"{config}:{algorithm}",
+             "--workdir", workdir, "--config.progress_bar=False",
+             *[f"--config.{o}" for o in overrides]]
+  started = time.perf_counter()
+  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+  if done.returncode != 0:
+    raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  return {"algorithm": algorithm, "wall_time_s": summary["wall_time_s"],
+          "samples_per_s": summary["train_samples_per_s"],
+          "accuracy": summary["final_eval_accuracy"], "compile_s": summary["compile_s"],
+          "process_s": time.perf_counter() - started}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", default="configs/digits.py")
+  parser.add_argument("--algorithms", nargs="+", default=["layup", "ddp"])
+  parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                      help="config overrides for every run, e.g. num_steps=234")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--out", default="bench_train.json")
+  args = parser.parse_args()
+
+  runs = []
+  with tempfile.TemporaryDirectory() as scratch:
+    for repeat in range(args.repeats):
+      for algorithm in args.algorithms:
+        row = run_once(args.config, algorithm, args.set,
+                       os.path.join(scratch, f"{algorithm}-{repeat}"))
+        runs.append({"repeat": repeat, **row})
+        print(json.dumps(runs[-1]), flush=True)
+
+  first = args.algorithms[0]
+  by_round = {(r["repeat"], r["algorithm"]): r for r in runs}
+  table = []
+  for algorithm in args.algorithms:
+    mine = [r for r in runs if r["algorithm"] == algorithm]
+    time_ratio = [by_round[(r["repeat"], algorithm)]["wall_time_s"]
+                  / by_round[(r["repeat"], first)]["wall_time_s"] for r in mine]
+    table.append({
+        "algorithm": algorithm,
+        "wall_time_s": statistics.median(r["wall_time_s"] for r in mine),
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in mine),
+        "accuracy": statistics.median(r["accuracy"] for r in mine),
+        f"time_vs_{first}": statistics.median(time_ratio),
+        "wall_time_all": [r["wall_time_s"] for r in mine],
+    })
+  print(f"\n{args.config} {' '.join(args.set)}, {args.repeats} alternated rounds (medians)")
+  print(f"{'algorithm':<10} {'train s':>8} {'samples/s':>10} {'accuracy':>9} "
+        f"{'time / ' + first:>12}  all train s")
+  for row in table:
+    print(f"{row['algorithm']:<10} {row['wall_time_s']:>8.2f} {row['samples_per_s']:>10.0f} "
+          f"{row['accuracy']:>9.4f} {row[f'time_vs_{first}']:>12.3f}  "
+          f"{', '.join(f'{t:.2f}' for t in row['wall_time_all'])}")
+  result = {"benchmark": "bench_train", "config": args.config, "overrides": args.set,
+            "repeats": args.repeats, "cores": os.cpu_count(),
+            "code_version": provenance.code_version(),
+            "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "table": table, "runs": runs}
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
