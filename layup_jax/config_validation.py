@@ -104,10 +104,11 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
     _at_least(config, key, 0)
   _require(config.baselines.out_freq % config.baselines.tau == 0, "baselines.out_freq",
            config.baselines.out_freq, f"must be a multiple of baselines.tau={config.baselines.tau}")
-  _require(config.algorithm != "diloco" or config.baselines.out_freq == config.baselines.tau,
+  _require(not algorithms.get(config.algorithm).outer_step_every_average
+           or config.baselines.out_freq == config.baselines.tau,
            "baselines.out_freq", config.baselines.out_freq,
-           f"DiLoCo takes an outer step at every average (Douillard et al. 2023, Algorithm 1): "
-           f"set it equal to baselines.tau={config.baselines.tau}")
+           f"{config.algorithm} takes an outer step at every average: set it equal to "
+           f"baselines.tau={config.baselines.tau}")
   _require(config.optimizer.momentum < 1, "optimizer.momentum", config.optimizer.momentum,
            "must be < 1")
   _require(config.model.dropout < 1, "model.dropout", config.model.dropout, "must be < 1")

@@ -11,8 +11,7 @@ feeds only its own devices (`local_positions`), and only process 0 writes record
 (`is_primary`). Checkpoints are one Orbax checkpoint of the whole run, written by every process
 together into the workdir, which must be on a filesystem every process sees; a stop request
 (SIGTERM, Ctrl-C) takes effect at the next evaluation or checkpoint, where the processes agree
-on it. Across processes run so far (`MULTI_PROCESS_ALGORITHMS`): DDP; LayUp, GoSGD and
-AD-PSGD, their sends and pairwise averages with other processes' devices through
+on it. Every algorithm runs across processes: DDP; LayUp, GoSGD and AD-PSGD, their sends and pairwise averages with other processes' devices through
 layup_jax/crossprocess.py; the periodic baselines, their average an all-reduce over every
 process's devices (layup_jax/collectives.py). In the gossip and periodic algorithms'
 checkpoints each process writes its own devices' replicas (rows of arrays sharded over the
@@ -99,15 +98,10 @@ def local_positions(devices) -> list[int]:
   return [i for i, d in enumerate(devices) if d.process_index == me]
 
 
-# What runs across processes so far; the rest is refused in one line before anything is built.
-GOSSIP_ALGORITHMS = ("layup", "gosgd", "adpsgd")  # to other processes: crossprocess.py
-PERIODIC_ALGORITHMS = ("local_sgd", "slowmo", "co2", "diloco")  # an all-reduce over processes
-MULTI_PROCESS_ALGORITHMS = ("ddp", *GOSSIP_ALGORITHMS, *PERIODIC_ALGORITHMS)
-
-
-def check_supported(config: ml_collections.ConfigDict) -> None:
+def check_supported(config: ml_collections.ConfigDict, gossip: bool) -> None:
   """Refuses, in one line, what a multi-process run cannot do yet, and distributed keys that a
-  process not started through `initialize` would silently ignore."""
+  process not started through `initialize` would silently ignore. `gossip`: the algorithm
+  sends stages to random peers with push-sum weights (its registry trait)."""
   if jax.process_count() == 1:
     if settings(config.distributed) is not None:
       raise ConfigError("config.distributed.coordinator_address is set, but this process did not "
@@ -117,12 +111,9 @@ def check_supported(config: ml_collections.ConfigDict) -> None:
   if config.num_devices != len(jax.devices()):
     raise ConfigError(f"config.num_devices={config.num_devices}: a multi-process run trains on "
                       f"every process's devices, {len(jax.devices())} here")
-  if config.algorithm not in MULTI_PROCESS_ALGORITHMS:
-    raise ConfigError(f"config.algorithm={config.algorithm!r}: across processes only "
-                      f"{list(MULTI_PROCESS_ALGORITHMS)} run so far; run it in one process")
   if config.straggler.device >= 0:
     raise ConfigError("config.straggler.device: no straggler injection across processes yet")
-  if config.algorithm in GOSSIP_ALGORITHMS and config.layup.push_sum != "per_stage":
+  if gossip and config.layup.push_sum != "per_stage":
     raise ConfigError("config.layup.push_sum: across processes only per_stage push-sum runs "
                       "(a per-model weight would have to follow the last stage to the peer)")
 

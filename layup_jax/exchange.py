@@ -86,15 +86,50 @@ class Links:
   remote: Any = None
 
 
-class Exchange(Protocol):
-  """An algorithm's decisions per iteration (module docstring). `on_stage` returns the array
-  whose readiness marks the stage's update as landed (the merged stage on the peer, or the
-  local update), for the update-latency metric, or None when the stage is not timed.
+class ExchangeState(Protocol):
+  """What an algorithm keeps beyond the replicas (the periodic baselines' anchor, outer state and
+  averages), as the runtime settles, saves and restores it; `Exchange.state` is None without.
 
-  With `fuses_local_step`, the runtime applies each stage's local step itself, in the program
-  of the stage's backward (`ReplicaStore.backward_step`), and `on_stage` gets `grads=None`: the
-  stage's params are then already updated. An algorithm whose step must wait for something
-  else (AD-PSGD averages first) leaves it False and applies the gradient in `on_stage`.
+  `same_on_every_process`: the keys of `state_dict`'s arrays that every process holds the same
+  at a checkpoint (a replicated average): across processes they are not gathered, and each
+  process passes its own copy to `whole_run_state`.
+  """
+
+  same_on_every_process: tuple[str, ...]
+
+  def settle(self) -> None:
+    """Called at a consistent point (every task idle between iterations): finishes what a
+    compute task would do before its next iteration, so the replicas are what they would be
+    then whatever the timing (CO2's reset to the ready average)."""
+
+  def state_dict(self) -> tuple[dict, dict]:
+    """(device arrays, JSON-able metadata)."""
+
+  def restore_template(self, meta: dict) -> dict: ...
+
+  def load_state_dict(self, arrays: dict, meta: dict, saved_devices: int) -> None: ...
+
+  def whole_run_state(self, parts: list[tuple[dict, dict, int]]) -> tuple[dict, dict]:
+    """Across processes: the whole run's state from every process's `state_dict` (host
+    copies) and its first device, in process order (one checkpoint holds all)."""
+
+  def own_part(self, arrays: dict, meta: dict, first: int, count: int) -> tuple[dict, dict]:
+    """`whole_run_state`'s inverse for the devices `first .. first + count - 1`."""
+
+
+class Exchange(Protocol):
+  """An algorithm on the asynchronous runtime: four hooks (module docstring), its traits, and
+  an optional state object. `on_stage` returns the array whose readiness marks the stage's
+  update as landed (the merged stage on the peer, or the local update), for the update-latency
+  metric, or None when the stage is not timed.
+
+  Traits (class attributes, `Hooks` has the defaults):
+
+  `fuses_local_step`: the runtime applies each stage's local step itself, in the program of
+  the stage's backward (`ReplicaStore.backward_step`), and `on_stage` gets `grads=None`: the
+  stage's params are then already updated (`local_update` says which). An algorithm whose step
+  must wait for something else (AD-PSGD averages first) leaves it False and applies the
+  gradient in `on_stage`.
 
   `schedule_by_own_iteration`: the learning-rate schedule's step of an iteration is the
   device's own iteration count (the periodic baselines: every device takes the same local
@@ -108,16 +143,12 @@ class Exchange(Protocol):
   run up to a period ahead, so an evaluation or checkpoint fell at iterations that differed
   between devices from run to run (a record's loss moved by 0.2 %), and across processes one
   process could start a period's all-reduce that another had not reached at a checkpoint.
-
-  `same_on_every_process`: the keys of `state_dict`'s arrays that every process holds the same
-  at a checkpoint (a replicated average): across processes they are not gathered, and each
-  process passes its own copy to `whole_run_state`.
   """
 
   fuses_local_step: bool
   schedule_by_own_iteration: bool
   equal_shares: bool
-  same_on_every_process: tuple[str, ...]
+  state: ExchangeState | None
 
   def begin(self, i: int) -> Any: ...
 
@@ -130,83 +161,46 @@ class Exchange(Protocol):
     """Called by compute task i before it takes an iteration: None, or a task that waits
     (for the other devices, at a boundary)."""
 
-  def may_wait_before_iteration(self, i: int) -> bool:
-    """Whether `before_iteration(i)` may block now (waiting for other devices)."""
-
   def compile(self) -> None:
     """Compiles the exchange's own functions (beyond the store's), on every device."""
 
-  def settle(self) -> None:
-    """Called at a consistent point (every thread idle between iterations): finishes what a
-    compute thread would do before its next iteration, so the replicas are what they would
-    be then whatever the timing (CO2's reset to the ready average)."""
 
-  def state_dict(self) -> tuple[dict, dict]:
-    """(device arrays, JSON-able metadata) of the exchange's own state."""
+class Hooks:
+  """The defaults every exchange starts from (one level, no chain): no waiting before an
+  iteration, nothing at `begin` and `end`, each stage's local update only, no state beyond the
+  replicas. Fused local steps by default: an exchange whose update must wait says so."""
 
-  def restore_template(self, meta: dict) -> dict: ...
-
-  def load_state_dict(self, arrays: dict, meta: dict, saved_devices: int) -> None: ...
-
-  def whole_run_state(self, parts: list[tuple[dict, dict, int]]) -> tuple[dict, dict]:
-    """Across processes: the whole run's exchange state from every process's `state_dict`
-    (host copies) and its first device, in process order (one checkpoint holds all)."""
-
-  def own_part(self, arrays: dict, meta: dict, first: int, count: int) -> tuple[dict, dict]:
-    """`whole_run_state`'s inverse for the devices `first .. first + count - 1`."""
-
-
-class StatelessExchange:
-  """Defaults for an exchange that never waits before an iteration and keeps no state of its
-  own beyond the replicas."""
-
-  fuses_local_step = False
+  fuses_local_step = True
   schedule_by_own_iteration = False
   equal_shares = False
-  same_on_every_process: tuple[str, ...] = ()
+  state: ExchangeState | None = None
 
   def __init__(self, links: Links):
     self.links, self.store, self.peers = links, links.store, links.peers
 
-  def before_iteration(self, i: int) -> None:
-    pass
+  def begin(self, i: int) -> Any:
+    return None
 
-  def may_wait_before_iteration(self, i: int) -> bool:
-    return False
+  def on_stage(self, i: int, context: Any, s: int, grads: PyTree | None,
+               step: jax.Array) -> PyTree | None:
+    local_update(self.store, i, s, grads, step)
+    return None
+
+  def end(self, i: int, context: Any) -> Any:
+    return None
+
+  def before_iteration(self, i: int) -> Any:
+    return None
 
   def compile(self) -> None:
     pass
 
-  def settle(self) -> None:
-    pass
 
-  def state_dict(self) -> tuple[dict, dict]:
-    return {}, {}
-
-  def restore_template(self, meta: dict) -> dict:
-    return {}
-
-  def load_state_dict(self, arrays: dict, meta: dict, saved_devices: int) -> None:
-    pass
-
-  def whole_run_state(self, parts: list[tuple[dict, dict, int]]) -> tuple[dict, dict]:
-    return parts[0][0], parts[0][1]
-
-  def own_part(self, arrays: dict, meta: dict, first: int, count: int) -> tuple[dict, dict]:
-    return arrays, meta
-
-
-class LocalStepsExchange(StatelessExchange):
-  """An exchange whose stages only take local steps as their gradients arrive; what it does
-  with the whole model comes in `end` (GoSGD, AD-PSGD, the periodic baselines). The local
-  steps run in the backward's programs."""
-
-  fuses_local_step = True
-
-  def begin(self, i: int) -> None:
-    return None
-
-  def on_stage(self, i: int, context: Any, s: int, grads: PyTree | None,
-               step: jax.Array) -> None:
-    if grads is not None:
-      self.store.local_step(i, s, grads, step)
+def local_update(store: ReplicaStore, i: int, s: int, grads: PyTree | None,
+                 step: jax.Array) -> PyTree:
+  """Device i's local update of stage s, x^{i,s} <- x~^{i,s} - eta grad (Algorithm 1): applied
+  here from `grads`, or, where the runtime fuses it (`grads` None), already applied by the
+  stage's backward program (`ReplicaStore.backward_step`). Returns the updated stage."""
+  if grads is None:
+    return store.params(i, s)
+  return store.local_step(i, s, grads, step)

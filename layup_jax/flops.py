@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from layup_jax import stages
 
@@ -63,6 +64,19 @@ def staged_calls(model: stages.StagedModel, steps: stages.StageSteps, update: Ca
                                              batch.targets, key, iteration)
   for s, stage_grads in enumerate(grads):
     visit(update, params[s], opt_state[s], stage_grads, iteration)  # the step: an int32 too
+
+
+def replica_calls(model: stages.StagedModel, store: Any, example: Any,
+                  steps: stages.StageSteps | None = None) -> tuple:
+  """`staged_calls`'s arguments (without `visit`) that replay one iteration of the replica
+  store's device 0 on `example` (a Batch), with the store's stage functions or `steps`; the
+  replica's state is not changed."""
+  replica = store.replicas[0]
+  inputs, targets = jax.device_put((example.inputs, example.targets), replica.device)
+  return (model, steps or store.steps, store.update, replica.params, list(replica.state),
+          replica.opt_state, type(example)(inputs, targets),
+          jax.device_put(jax.random.key(0), replica.device),
+          jax.device_put(np.int32(0), replica.device))
 
 
 def staged_flops(model: stages.StagedModel, steps: stages.StageSteps, update: Callable, params,

@@ -3,14 +3,15 @@
 A send takes stage s from the sender's replica together with the push-sum weight it carries
 (`ReplicaStore.take`), waits (in the sender's updater task) until that version of the stage is
 computed on the sender's device, copies it to the peer's device and merges it there
-(`ReplicaStore.merge`: per stage, the peer's next forward mixes it in). Waiting first is what keeps devices independent: a device runs its
+(`ReplicaStore.merge`: the peer's next program that reads the stage mixes it in). Waiting first
+is what keeps devices independent: a device runs its
 programs in the order they were dispatched, so a merge whose input were still being computed on
 the sender would hold up every program dispatched on the peer after it, and a slow device would
 stall each device it sends to. The wait is on the sender's own work and in its own task; the
 peer's device only ever receives finished arrays, and the peer's tasks never wait.
 
 Sends leave in the order they were posted. A posted stage goes as soon as it is computed: each
-`push` first sends the posted stages that are ready (without waiting), and `flush`, a task
+send first sends the posted stages that are ready (without waiting), and `flush`, a task
 (`layup_jax.scheduler`), waits for the rest without blocking the thread that runs it. With
 `max_in_flight`, at most that many of its sends may be on their way to peers (copied or merged
 there not yet computed)
@@ -78,14 +79,23 @@ class Outbox:
     self.max_in_flight = max_in_flight or math.inf
     self.sent = 0  # sends made (to this process's devices and others')
     self.peak_in_flight = 0  # the most sends on their way at once, under `max_in_flight`
-    self.watch = False  # whether `push` returns a future of the merged stage (timed iterations)
+    self.watch = False  # whether a send returns a future of the merged stage (timed iterations)
 
-  def push(self, peer: int, s: int, amount: float | None = None) -> Future | None:
-    """Sends stage s to `peer`: with `amount` None, per-stage push-sum (w_{i,s} halved now,
-    the amount added to w_{j,s} by the merge); else Algorithm 1's per-model form (the weight
-    was halved for the whole model, and is added once every stage has gone). With `watch`,
-    returns a future of the merged stage (set once the send is made), else None. Never waits:
-    what is not computed yet goes with a later `push` or `flush`."""
+  def send_halved(self, peer: int, s: int) -> Future | None:
+    """Sends stage s to `peer` with per-stage push-sum weights: w_{i,s} halved now, in the
+    same atomic write that takes the stage, and the half added to w_{j,s} by the merge."""
+    return self._push(peer, s, None)
+
+  def send_weighted(self, peer: int, s: int, amount: float) -> Future | None:
+    """Sends stage s to `peer` with Algorithm 1's per-model weights: w_i was halved for the
+    whole model (`ReplicaStore.halve_model_weight`), the merge mixes with `amount`, and the
+    sender adds it to w_j once every stage has gone."""
+    return self._push(peer, s, amount)
+
+  def _push(self, peer: int, s: int, amount: float | None) -> Future | None:
+    """Posts the send. With `watch`, returns a future of the merged stage (set once the send is
+    made), else None. Never waits: what is not computed yet goes with a later send or
+    `flush`."""
     part, halved = self._store.take(self._sender, s, halve=amount is None)
     merged = Future() if self.watch else None
     self._pending.append((peer, s, part, halved if amount is None else amount, amount is None,

@@ -118,17 +118,17 @@ class ReplicaStore:
     self.bn_policy = options.bn_policy
     # A stage without BatchNorm state keeps its empty dict: its forward writes nothing.
     self._has_state = [bool(jax.tree.leaves(st)) for st in init_state]
-    self.packings = self._state_packings = None
+    self.packings = self.state_packings = None
     if options.pack_stages:
       self.packings = [StagePacking.of(p) for p in init_params]
-      self._state_packings = [StagePacking.of(st) if has else None
+      self.state_packings = [StagePacking.of(st) if has else None
                               for st, has in zip(init_state, self._has_state)]
       init_params = [jax.jit(k.pack)(p) for k, p in zip(self.packings, init_params)]
       init_state = [jax.jit(k.pack)(st) if k else st
-                    for k, st in zip(self._state_packings, init_state)]
+                    for k, st in zip(self.state_packings, init_state)]
       self._unpack = [jax.jit(k.unpack) for k in self.packings]
       self._unpack_state = [jax.jit(k.unpack) if k else (lambda st: st)
-                            for k in self._state_packings]
+                            for k in self.state_packings]
     # Whatever the policy, a non-finite gradient or statistic never reaches the replica: it
     # would travel to peers with the next send, and under `stop` the run's error would then
     # name whichever device read its loss first rather than the one it appeared on. The
@@ -136,7 +136,7 @@ class ReplicaStore:
     step_fn = functools.partial(local_update, tx, skip_nonfinite=True)
     self._merge_state = [self.bn_policy == "mix" and has for has in self._has_state]
     self.steps = make_stage_steps(model, keep_finite_state=True,
-                                  packings=self.packings, state_packings=self._state_packings,
+                                  packings=self.packings, state_packings=self.state_packings,
                                   remat=options.remat, update=step_fn,
                                   merge_state=self._merge_state)
     # Donated: the Optax state and the gradient, which only the update reads (the new params

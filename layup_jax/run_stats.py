@@ -10,10 +10,13 @@ cover the whole run until the next `collect`.
 """
 
 import collections
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from layup_jax.measurements import mean_or_nan
+from layup_jax.scheduler import Ready, Task, Until, drive
 from layup_jax.snapshot import Snapshot
 
 
@@ -24,11 +27,14 @@ class RunStats:
                read_weights: Callable[[], list[list[float]]],
                read_iterations: Callable[[], list[int]],
                gather: Callable[[Any], list[Any]] | None = None,
-               remote_latencies: collections.deque | None = None, timed: bool = True):
+               remote_latencies: collections.deque | None = None, timed: bool = True,
+               host_cpu: Callable[[], float] | None = None):
     """`read_*` give this process's models, push-sum weights and iterations per device;
     `gather` (a run across processes: `distributed.all_gather_pickled`) collects a value from
     every process; `remote_latencies` are the seconds of sends from other processes, as they
-    merge; `timed`: whether stages' update latencies are sampled at all (DDP's are not)."""
+    merge; `timed`: whether stages' update latencies are sampled at all (DDP's are not);
+    `host_cpu` the CPU seconds the runtime's own threads have spent dispatching (None: the
+    runtime dispatches from the caller's thread)."""
     self.num_stages = num_stages
     self.losses: list[list[float]] = [[] for _ in range(num_devices)]
     self.skipped = [0] * num_devices
@@ -37,6 +43,7 @@ class RunStats:
     self._read_iterations, self._gather = read_iterations, gather
     self._remote = remote_latencies if remote_latencies is not None else collections.deque()
     self._timed = timed
+    self._host_cpu = host_cpu
     self._collected: dict[str, Any] | None = None
 
   # --- what the runtime records ----------------------------------------------------------------
@@ -118,6 +125,12 @@ class RunStats:
     previous call (none in one process, or without gossip)."""
     return self._take("remote_latencies", self._drain_remote, [])
 
+  def host_cpu_s(self) -> float | None:
+    """CPU seconds this process's runtime threads (dispatcher, updater) have spent so far,
+    outside their idle waits: the host's share of the work, which on a machine whose cores also
+    run the devices (fake CPU devices) is taken from them. None without such threads."""
+    return self._host_cpu() if self._host_cpu is not None else None
+
   def _drain_losses(self) -> list[float]:
     losses = [loss for per_device in self.losses for loss in per_device]
     for per_device in self.losses:
@@ -134,3 +147,43 @@ class RunStats:
 
   def _drain_remote(self) -> list[float]:
     return [self._remote.popleft() for _ in range(len(self._remote))]
+
+
+class StageTimer:
+  """Update latencies: on a timed iteration (every `metrics.latency_every`-th of a device) the
+  updater hands over, per stage, (stage, start, landing): the landing is an array, or a future
+  of one for a send not made yet. Each device's latency task waits for its landings in order
+  and records the seconds from start to landed in `stats`, off the updater's path."""
+
+  def __init__(self, num_devices: int, stats: RunStats):
+    self._landings = [collections.deque() for _ in range(num_devices)]
+    self._stats = stats
+
+  def hand(self, i: int, s: int, start: float, landed: Any) -> None:
+    self._landings[i].append((s, start, landed))
+
+  def task(self, i: int) -> Task:
+    """Device i's latency task (a task of layup_jax/scheduler.py: it never blocks a thread)."""
+    landings = self._landings[i]
+    while True:
+      if not landings:
+        yield Until(lambda: landings, "a timed stage")
+      yield from self._record(i, *landings[0])
+      landings.popleft()
+
+  def record_now(self, i: int) -> None:
+    """Records device i's landings on the calling thread, waiting for each (the serial mode)."""
+    while self._landings[i]:
+      drive(self._record(i, *self._landings[i].popleft()))
+
+  def idle(self) -> bool:
+    """Whether every landing handed over has been recorded."""
+    return not any(self._landings)
+
+  def _record(self, i: int, s: int, start: float, landed: Any) -> Task:
+    if isinstance(landed, Future):
+      yield Until(landed.done, "a send to be made")
+      landed = landed.result()
+    if landed is not None:  # None: a send to another process, timed there
+      yield Ready(landed)
+      self._stats.add_latency(i, s, time.perf_counter() - start)

@@ -52,10 +52,6 @@ def eval_steps(num_steps: int, eval_every: int) -> list[int]:
   return steps + [num_steps]
 
 
-def _checkpoint_steps(num_steps: int, every: int) -> list[int]:
-  return (list(range(every, num_steps, every)) if every else []) + [num_steps]
-
-
 def _restore_data(dataset: data.Dataset, saved: list[dict], step: int) -> None:
   """Each device's iterator where it stopped; on another device count, every device at the
   same share of the data order (the samples already seen are skipped, not their exact order)."""
@@ -98,6 +94,18 @@ def _restore(config, runtime, dataset, checkpoints: Checkpoints) -> tuple[int, f
   return step, float(meta["train_time_s"])
 
 
+@dataclasses.dataclass(frozen=True)
+class Every:
+  """A hook the training loop runs after every `steps` steps and after the last (0: after the
+  last only), with the step reached."""
+
+  steps: int
+  action: Callable[[int], None]
+
+  def due(self, num_steps: int) -> list[int]:
+    return eval_steps(num_steps, self.steps)
+
+
 def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
         should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
   """Trains `config` and returns the summary also written to `workdir/summary.json`.
@@ -107,191 +115,258 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
   saves a checkpoint and returns `{"stopped": True, "step": ...}` without a summary.
   """
   validate_config(config, len(jax.devices()))
-  distributed.check_supported(config)
+  distributed.check_supported(config, algorithms.get(config.algorithm).gossip)
   code_version = provenance.code_version()  # the code that runs (a commit during it changes none)
   compile_cache.enable(config.get("compilation_cache_dir", ""))
-  workdir = pathlib.Path(workdir)
+  session = Session(config, workdir)  # build
   try:
-    workdir.mkdir(parents=True, exist_ok=True)
-  except OSError as error:
-    raise StorageError(f"cannot create the workdir {workdir} ({error.strerror or error})") \
-        from error
-  num_devices = config.num_devices
-  devices = jax.devices()[:num_devices]
-  dataset = data.make_dataset(config.data, num_devices, config.seed)
-  model = models.make_model(config.model)
-  num_steps = resolve_num_steps(config, dataset.steps_per_epoch)
-  tx = optim.make_optimizer(config.optimizer, num_steps, dataset.steps_per_epoch)
-  runtime = algorithms.build_runtime(config, model, tx, devices, dataset)
-  primary = distributed.is_primary()  # process 0 evaluates and writes the records
-  evaluator = Evaluator(model, dataset.test, devices[0]) if primary else None
-  checkpoints, writer = None, None
-  start_step, train_time = 0, 0.0
-  flops_per_iteration, peak = None, flops.peak_flops(devices[0])
+    session.restore()  # restore (or start), then compile
+    session.compile()
+    hooks = [Every(config.eval_every, session.evaluate)]
+    if session.checkpoints is not None:
+      hooks.append(Every(config.checkpoint.every, session.save))
+    step = session.train(hooks, should_stop)  # the loop
+    if step < session.num_steps:
+      return session.stop(step)
+    session.finish()
+  finally:
+    session.close()
+  return session.summary(code_version)
 
-  def samples_per_s() -> float:
-    return sum(runtime.stats.iterations_per_device()) * config.data.batch_size / max(train_time, 1e-9)
 
-  def throughput() -> dict[str, Any]:
-    return measurements.throughput(runtime.stats.iterations_per_device(), config.data.batch_size,
-                                   train_time, flops_per_iteration, peak)
+def _stop_checks(should_stop: Callable[[], bool]) -> tuple[Callable[[], bool], Callable[[], bool]]:
+  """(checked between targets, checked within one by the runtime). Across processes they stop
+  together, at the next evaluation or checkpoint: one that stopped alone would leave the others
+  waiting in a collective (a stop request reaches each process at its own moment; they agree
+  on it here)."""
+  if jax.process_count() == 1:
+    return should_stop, should_stop
+  return (lambda: any(distributed.all_gather_json(bool(should_stop())))), (lambda: False)
 
-  latencies: list[list[float]] | None = None  # every sample of this process, per stage
-  remote_latencies: list[float] = []  # every send between processes (process 0, gathered)
 
-  def stage_latencies() -> list[float | None] | None:
-    nonlocal latencies
-    recent = runtime.stats.stage_latencies()
-    if recent is not None:
-      latencies = [old + new for old, new in zip(latencies or [[] for _ in recent], recent)]
-    return measurements.stage_latency_ms(recent)
+class Session:
+  """One run: what `run` builds (data, model, runtime, evaluator, checkpoints, records), the
+  training time so far, and the hooks' actions. Process 0 evaluates and writes the records."""
 
-  def evaluate(step: int, write: bool = True) -> dict[str, Any]:  # process 0 only
-    train_loss = runtime.stats.train_loss()
-    sums = runtime.stats.weight_sums()
-    common = {"step": step, "time_s": train_time, "weight_sum_min": min(sums),
-              "weight_sum_max": max(sums)}
-    if step > 0 and write:
-      writer.write({**common, "split": "train", "loss": train_loss,
-                    "samples_per_s": samples_per_s(), **throughput(),
-                    "stage_update_latency_ms": stage_latencies(),
-                    "skipped_steps": runtime.stats.skipped_steps()})
-    remote_latencies.extend(runtime.stats.remote_send_latencies())
-    record = {**common, "split": "test", **evaluator.evaluate(runtime.stats.snapshot())}
-    if dataset.kind == "language_model":  # accuracy is next-token accuracy
-      record["perplexity"] = math.exp(min(record["loss"], 50.0))
-    if write:
-      writer.write(record)
-    return record
-
-  saved_step = None
-
-  def save(step: int) -> None:
-    nonlocal saved_step
-    if step == saved_step:
-      return
-    saved_step = step
-    arrays, runtime_meta = runtime.checkpoint.state_dict()
-    checkpoints.save(step, arrays, {
-        "step": step, "train_time_s": train_time, "runtime": runtime_meta,
-        "data": distributed.data_states(dataset.train, devices),
-        "config": config.to_json_best_effort(), "saved_at": time.time()},
-        arrays_stay_valid=runtime.checkpoint.arrays_stay_valid)
-
-  try:
-    if config.checkpoint.enabled:
-      checkpointing.check_storage(workdir, checkpointing.tree_bytes(runtime.checkpoint.state_dict()[0]),
-                                  config.checkpoint.keep)
-      checkpoints = Checkpoints(workdir / "checkpoints", config.checkpoint.keep,
-                                config.checkpoint.async_save)
-      restored = _restore(config, runtime, dataset, checkpoints)
-      if restored is not None:
-        start_step, train_time = restored
-    writer = MetricsWriter(workdir, keep_through_step=start_step if start_step else None,
-                           tensorboard=config.metrics.get("tensorboard", False), files=primary)
-    compile_start = time.perf_counter()
-    runtime.compile()
-    compile_s = time.perf_counter() - compile_start
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path):
+    self.config, self.workdir = config, pathlib.Path(workdir)
     try:
-      flops_per_iteration = runtime.flops_per_iteration()
+      self.workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+      raise StorageError(f"cannot create the workdir {self.workdir} "
+                         f"({error.strerror or error})") from error
+    self.devices = jax.devices()[:config.num_devices]
+    self.dataset = data.make_dataset(config.data, config.num_devices, config.seed)
+    self.model = models.make_model(config.model)
+    self.num_steps = resolve_num_steps(config, self.dataset.steps_per_epoch)
+    tx = optim.make_optimizer(config.optimizer, self.num_steps, self.dataset.steps_per_epoch)
+    try:
+      self.runtime = algorithms.build_runtime(config, self.model, tx, self.devices, self.dataset)
+    except BaseException:
+      self.dataset.close()
+      raise
+    self.primary = distributed.is_primary()
+    self.evaluator = Evaluator(self.model, self.dataset.test, self.devices[0]) if self.primary \
+        else None
+    # The iterations of one step that this process's runtime counts: its own devices' (a
+    # gossip runtime across processes), else every device's.
+    self.per_step = self.runtime.num_devices
+    self.checkpoints: Checkpoints | None = None
+    self.writer: MetricsWriter | None = None
+    self.start_step, self.train_time, self.compile_s = 0, 0.0, 0.0
+    self.flops_per_iteration, self.peak = None, flops.peak_flops(self.devices[0])
+    self.record: dict[str, Any] | None = None  # the latest test record (process 0)
+    self.latencies: list[list[float]] | None = None  # every sample of this process, per stage
+    self.remote_latencies: list[float] = []  # every send between processes (process 0)
+    self._saved_step: int | None = None
+    self._bar: tqdm.tqdm | None = None
+
+  # --- build, restore, compile ----------------------------------------------------------------
+
+  def restore(self) -> None:
+    """Opens the checkpoints (after a storage check) and resumes from the newest readable one,
+    else from `config.restore`; opens the records, kept up to the step resumed from."""
+    config = self.config
+    if config.checkpoint.enabled:
+      checkpointing.check_storage(
+          self.workdir, checkpointing.tree_bytes(self.runtime.checkpoint.state_dict()[0]),
+          config.checkpoint.keep)
+      self.checkpoints = Checkpoints(self.workdir / "checkpoints", config.checkpoint.keep,
+                                     config.checkpoint.async_save)
+      restored = _restore(config, self.runtime, self.dataset, self.checkpoints)
+      if restored is not None:
+        self.start_step, self.train_time = restored
+    self.writer = MetricsWriter(self.workdir,
+                                keep_through_step=self.start_step if self.start_step else None,
+                                tensorboard=config.metrics.get("tensorboard", False),
+                                files=self.primary)
+
+  def compile(self) -> None:
+    started = time.perf_counter()
+    self.runtime.compile()
+    self.compile_s = time.perf_counter() - started
+    try:
+      self.flops_per_iteration = self.runtime.flops_per_iteration()
     except Exception as error:  # noqa: BLE001 - a missing count must not stop training
       logging.warning("no FLOP count for this run (%s: %s); MFU is not reported",
                       type(error).__name__, error)
-    # The iterations of one step that this process's runtime counts: its own devices' (a
-    # gossip runtime across processes), else every device's.
-    per_step = runtime.num_devices
-    if start_step == 0:
-      runtime.stats.collect()
-    record = evaluate(0) if start_step == 0 and primary else None
-    checkpoint_at = set(_checkpoint_steps(num_steps, config.checkpoint.every)
-                        if checkpoints else [])
-    evaluate_at = set(eval_steps(num_steps, config.eval_every))
-    step, stopped = start_step, False
-    stop_now, stop_within = should_stop, should_stop
-    if jax.process_count() > 1:
-      # Processes stop together, at the next evaluation or checkpoint: one that stopped alone
-      # would leave the others waiting in a collective (a stop request reaches each process
-      # at its own moment; they agree on it here).
-      stop_now = lambda: any(distributed.all_gather_json(bool(should_stop())))
-      stop_within = lambda: False
-    bar = tqdm.tqdm(total=num_steps, initial=start_step, desc=f"{config.algorithm} x{num_devices}",
-                    unit="step", disable=not (config.progress_bar and primary), file=sys.stderr,
-                    dynamic_ncols=True)
-    with bar:
-      for target in sorted(s for s in evaluate_at | checkpoint_at if s > start_step):
-        if stop_now():
-          stopped = True
-          break
-        start = time.perf_counter()
-        runtime.run_until(target * per_step, _Progress(bar, per_step), stop_within)
-        train_time += time.perf_counter() - start
-        step = runtime.iterations_done() // per_step
-        if step < target:
-          stopped = True
-          break
-        if target in evaluate_at:
-          runtime.stats.collect()
-        if target in evaluate_at and primary:
-          record = evaluate(step)
-          bar.set_postfix(acc=f"{record['accuracy']:.3f}", loss=f"{record['loss']:.3f}")
-        if target in checkpoint_at:
-          start = time.perf_counter()
-          save(step)  # the time training waits for a save counts as training time
-          train_time += time.perf_counter() - start
-    if stopped:
-      if checkpoints is not None and step > start_step:
-        save(step)  # unless this step's checkpoint was just saved
-      if checkpoints is not None:
-        checkpoints.wait()
-      return {"stopped": True, "primary": primary, "step": step, "num_steps": num_steps,
-              "checkpoint": str(checkpoints.directory / str(step))
-              if checkpoints is not None and step in checkpoints.steps() else None}
-    if 0 < num_steps <= start_step:  # resumed from the final checkpoint: evaluate, write nothing
-      runtime.stats.collect()
-      if primary:
-        record = evaluate(num_steps, write=False)
-    if checkpoints is not None:
-      checkpoints.wait()
-  finally:
-    runtime.close()
-    dataset.close()
-    if writer is not None:
-      writer.close()
-    if checkpoints is not None:
-      checkpoints.close()
 
-  if not primary:
-    return {"primary": False, "algorithm": config.algorithm, "num_steps": num_steps,
-            "wall_time_s": train_time, "compile_s": compile_s}
-  summary = {
-      "algorithm": config.algorithm,
-      "num_devices": num_devices,
-      "num_steps": num_steps,
-      "final_eval_accuracy": record["accuracy"],
-      "final_eval_loss": record["loss"],
-      "final_device0_accuracy": record["device0_accuracy"],
-      **({"final_eval_perplexity": record["perplexity"]} if "perplexity" in record else {}),
-      "consensus_distance": record["consensus_distance"],
-      "weight_sum_min": record["weight_sum_min"],
-      "weight_sum_max": record["weight_sum_max"],
-      "wall_time_s": train_time,
-      "compile_s": compile_s,
-      "train_samples_per_s": samples_per_s(),
-      "skipped_steps": runtime.stats.skipped_steps(),
-      "stage_update_latency_ms": measurements.stage_latency_ms(latencies),
-      "remote_send_latency_ms": measurements.send_latency_ms(remote_latencies),
-      "flops_per_iteration": flops_per_iteration,
-      "peak_flops": peak,
-      **throughput(),
-      **measurements.run_measurements(
-          writer.records, language_model=dataset.kind == "language_model",
-          target=(config.metrics.target_perplexity if dataset.kind == "language_model"
-                  else config.metrics.target_accuracy),
-          steps_per_epoch=dataset.steps_per_epoch),
-      "resumed_from_step": start_step,
-      "straggler_device": config.straggler.device,
-      "straggler_delay_iters": config.straggler.delay_iters,
-      "code_version": code_version,
-  }
-  writer.write_summary(summary)
-  return summary
+  # --- the loop -------------------------------------------------------------------------------
+
+  def train(self, hooks: list[Every], should_stop: Callable[[], bool]) -> int:
+    """Trains to the end, running each hook at its steps; returns the step reached (short of
+    the end if a stop was requested). A fresh run is evaluated at step 0 first."""
+    stop_now, stop_within = _stop_checks(should_stop)
+    due: dict[int, list[Every]] = {}
+    for hook in hooks:
+      for step in hook.due(self.num_steps):
+        due.setdefault(step, []).append(hook)
+    if self.start_step == 0:
+      self.evaluate(0)
+    step = self.start_step
+    self._bar = tqdm.tqdm(total=self.num_steps, initial=self.start_step,
+                          desc=f"{self.config.algorithm} x{self.config.num_devices}", unit="step",
+                          disable=not (self.config.progress_bar and self.primary),
+                          file=sys.stderr, dynamic_ncols=True)
+    with self._bar:
+      for target in sorted(s for s in due if s > self.start_step):
+        if stop_now():
+          break
+        started = time.perf_counter()
+        self.runtime.run_until(target * self.per_step, _Progress(self._bar, self.per_step),
+                               stop_within)
+        self.train_time += time.perf_counter() - started
+        step = self.runtime.iterations_done() // self.per_step
+        if step < target:
+          break
+        for hook in due[target]:
+          hook.action(step)
+    return step
+
+  # --- the hooks' actions ---------------------------------------------------------------------
+
+  def samples_per_s(self) -> float:
+    iterations = sum(self.runtime.stats.iterations_per_device())
+    return iterations * self.config.data.batch_size / max(self.train_time, 1e-9)
+
+  def throughput(self) -> dict[str, Any]:
+    return measurements.throughput(self.runtime.stats.iterations_per_device(),
+                                   self.config.data.batch_size, self.train_time,
+                                   self.flops_per_iteration, self.peak)
+
+  def _stage_latencies(self) -> list[float | None] | None:
+    recent = self.runtime.stats.stage_latencies()
+    if recent is not None:
+      self.latencies = [old + new for old, new in
+                        zip(self.latencies or [[] for _ in recent], recent)]
+    return measurements.stage_latency_ms(recent)
+
+  def evaluate(self, step: int, write: bool = True) -> None:
+    """Every process collects the run's statistics (a collective); process 0 evaluates the
+    consensus model and writes the train row since the last one and the test row."""
+    self.runtime.stats.collect()
+    if not self.primary:
+      return
+    stats = self.runtime.stats
+    train_loss, sums = stats.train_loss(), stats.weight_sums()
+    common = {"step": step, "time_s": self.train_time, "weight_sum_min": min(sums),
+              "weight_sum_max": max(sums)}
+    if step > 0 and write:
+      self.writer.write({**common, "split": "train", "loss": train_loss,
+                         "samples_per_s": self.samples_per_s(), **self.throughput(),
+                         "stage_update_latency_ms": self._stage_latencies(),
+                         "skipped_steps": stats.skipped_steps()})
+    self.remote_latencies.extend(stats.remote_send_latencies())
+    record = {**common, "split": "test", **self.evaluator.evaluate(stats.snapshot())}
+    if self.dataset.kind == "language_model":  # accuracy is next-token accuracy
+      record["perplexity"] = math.exp(min(record["loss"], 50.0))
+    if write:
+      self.writer.write(record)
+    self.record = record
+    if self._bar is not None:
+      self._bar.set_postfix(acc=f"{record['accuracy']:.3f}", loss=f"{record['loss']:.3f}")
+
+  def save(self, step: int) -> None:
+    """A checkpoint at `step` (once); the time training waits for it counts as training time."""
+    if step == self._saved_step:
+      return
+    self._saved_step = step
+    started = time.perf_counter()
+    arrays, runtime_meta = self.runtime.checkpoint.state_dict()
+    self.checkpoints.save(step, arrays, {
+        "step": step, "train_time_s": self.train_time, "runtime": runtime_meta,
+        "data": distributed.data_states(self.dataset.train, self.devices),
+        "config": self.config.to_json_best_effort(), "saved_at": time.time()},
+        arrays_stay_valid=self.runtime.checkpoint.arrays_stay_valid)
+    self.train_time += time.perf_counter() - started
+
+  # --- the end --------------------------------------------------------------------------------
+
+  def stop(self, step: int) -> dict[str, Any]:
+    """A stopped run: a checkpoint at the step reached (unless just saved), written out."""
+    checkpoints = self.checkpoints
+    if checkpoints is not None:
+      if step > self.start_step:
+        self.save(step)
+      checkpoints.wait()
+    return {"stopped": True, "primary": self.primary, "step": step,
+            "num_steps": self.num_steps,
+            "checkpoint": str(checkpoints.directory / str(step))
+            if checkpoints is not None and step in checkpoints.steps() else None}
+
+  def finish(self) -> None:
+    """A run resumed from its final checkpoint is evaluated (nothing written); the last
+    checkpoint is waited for."""
+    if 0 < self.num_steps <= self.start_step:
+      self.evaluate(self.num_steps, write=False)
+    if self.checkpoints is not None:
+      self.checkpoints.wait()
+
+  def close(self) -> None:
+    self.runtime.close()
+    self.dataset.close()
+    if self.writer is not None:
+      self.writer.close()
+    if self.checkpoints is not None:
+      self.checkpoints.close()
+
+  def summary(self, code_version: str | None) -> dict[str, Any]:
+    """The run's summary (process 0 writes it to summary.json)."""
+    config, record, stats = self.config, self.record, self.runtime.stats
+    if not self.primary:
+      return {"primary": False, "algorithm": config.algorithm, "num_steps": self.num_steps,
+              "wall_time_s": self.train_time, "compile_s": self.compile_s}
+    language_model = self.dataset.kind == "language_model"
+    summary = {
+        "algorithm": config.algorithm,
+        "num_devices": config.num_devices,
+        "num_steps": self.num_steps,
+        "final_eval_accuracy": record["accuracy"],
+        "final_eval_loss": record["loss"],
+        "final_device0_accuracy": record["device0_accuracy"],
+        **({"final_eval_perplexity": record["perplexity"]} if "perplexity" in record else {}),
+        "consensus_distance": record["consensus_distance"],
+        "weight_sum_min": record["weight_sum_min"],
+        "weight_sum_max": record["weight_sum_max"],
+        "wall_time_s": self.train_time,
+        "compile_s": self.compile_s,
+        "train_samples_per_s": self.samples_per_s(),
+        "skipped_steps": stats.skipped_steps(),
+        "host_threads_cpu_s": stats.host_cpu_s(),
+        "stage_update_latency_ms": measurements.stage_latency_ms(self.latencies),
+        "remote_send_latency_ms": measurements.send_latency_ms(self.remote_latencies),
+        "flops_per_iteration": self.flops_per_iteration,
+        "peak_flops": self.peak,
+        **self.throughput(),
+        **measurements.run_measurements(
+            self.writer.records, language_model=language_model,
+            target=(config.metrics.target_perplexity if language_model
+                    else config.metrics.target_accuracy),
+            steps_per_epoch=self.dataset.steps_per_epoch),
+        "resumed_from_step": self.start_step,
+        "straggler_device": config.straggler.device,
+        "straggler_delay_iters": config.straggler.delay_iters,
+        "code_version": code_version,
+    }
+    self.writer.write_summary(summary)
+    return summary

@@ -32,12 +32,9 @@ same tasks, exchange and store.
 """
 
 import collections
-import dataclasses
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -45,13 +42,15 @@ import numpy as np
 import optax
 
 from layup_jax import crossprocess, distributed, flops, outbox, transfer
+from layup_jax.budget import Budget
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import ConfigError, NonFiniteError
 from layup_jax.exchange import Exchange, Links, PeerSampler
+from layup_jax.finite_checks import FiniteChecks
 from layup_jax.options import RuntimeOptions
 from layup_jax.outbox import Outbox
 from layup_jax.replicas import ReplicaStore
-from layup_jax.run_stats import RunStats
+from layup_jax.run_stats import RunStats, StageTimer
 from layup_jax.runtime_state import RuntimeCheckpoint
 from layup_jax.scheduler import Ready, Scheduler, Task, Turns, Until, awaited, drive
 from layup_jax.stages import StagedModel, make_stage_steps, staged_pass
@@ -63,95 +62,6 @@ _UPDATER_CLOSES = object()  # a handed-over stage whose iteration's checks the u
 
 class WorkerError(RuntimeError):
   """A compute or updater task failed; the message names its device and stage."""
-
-
-class Budget:
-  """Iterations the compute tasks may start, how many their updaters have finished and of how
-  many the compute tasks have recorded the loss.
-
-  Guards only this bookkeeping (a condition variable), never model state. When every granted
-  iteration is finished and recorded, every task is idle between iterations: a consistent
-  point. An iteration's index (how many started before it) gives the run's global step.
-  `on_grant` is called whenever more iterations may start (to wake the dispatcher).
-  """
-
-  def __init__(self, num_devices: int = 1, on_grant: Callable[[], None] = lambda: None):
-    self._cond = threading.Condition()
-    self.granted = self.started = self.finished = self.recorded = 0
-    self.closed = False
-    self._num_devices = num_devices
-    self._on_grant = on_grant
-
-  def may_start(self, own: int | None) -> bool:
-    """Whether an iteration is granted to a device that has taken `own` (None: any device may
-    take any granted iteration; else each takes its equal share, `granted / num_devices`)."""
-    return self.started < self.granted and (own is None
-                                            or own < self.granted // self._num_devices)
-
-  def try_acquire(self, own: int | None = None) -> int | None:
-    """Starts an iteration if one is granted now (`may_start`); returns its index."""
-    with self._cond:
-      if self.may_start(own) and not self.closed:
-        self.started += 1
-        return self.started - 1
-      return None
-
-  def start_now(self) -> int:
-    """Grants and starts one iteration (the serial mode); returns its index."""
-    with self._cond:
-      self.granted = max(self.granted, self.started + 1)
-      self.started += 1
-      return self.started - 1
-
-  def finish(self) -> None:
-    with self._cond:
-      self.finished += 1
-      self._cond.notify_all()
-
-  def record(self) -> None:
-    with self._cond:
-      self.recorded += 1
-      self._cond.notify_all()
-
-  def grant(self, total: int) -> None:
-    with self._cond:
-      self.granted = max(self.granted, total)
-      self._cond.notify_all()
-    self._on_grant()
-
-  def hold(self, multiple: int) -> int:
-    """Grants nothing beyond the next multiple of `multiple` iterations; returns that total."""
-    with self._cond:
-      self.granted = min(self.granted, -(-self.started // multiple) * multiple)
-      self._cond.notify_all()
-      return self.granted
-
-  def reset(self, total: int) -> None:
-    """Counts `total` iterations as granted, started, finished and recorded (a restored run)."""
-    with self._cond:
-      self.granted = self.started = self.finished = self.recorded = total
-
-  def wait_finished(self, total: int, timeout: float) -> bool:
-    """Waits until `total` iterations are finished and recorded, or the timeout passes."""
-    done = lambda: self.finished >= total and self.recorded >= total
-    with self._cond:
-      self._cond.wait_for(lambda: done() or self.closed, timeout)
-      return done()
-
-  def close(self) -> None:
-    with self._cond:
-      self.closed = True
-      self._cond.notify_all()
-    self._on_grant()
-
-
-@dataclasses.dataclass
-class _Checks:
-  """Device i's gradient finiteness checks not read yet, (iteration, stages in update order,
-  first_nonfinite), and how many iterations its updater has applied."""
-
-  pending: collections.deque = dataclasses.field(default_factory=collections.deque)
-  applied: int = 0
 
 
 class AsyncRuntime:
@@ -209,18 +119,17 @@ class AsyncRuntime:
     self.store.defer_merges = self.fuses_local_step
     self.clocks = [IterationClock(options.delay_of(i), options.straggler_mode, device)
                    for i, device in enumerate(devices)]
-    self._checks = [_Checks() for _ in devices]
     self.across_processes = self._remote is not None
     self.stats = RunStats(
         self.num_devices, self.num_stages, self.store.snapshot, lambda: self.store.weights.values,
         lambda: [r.iteration for r in self.store.replicas],
         gather=distributed.all_gather_pickled if self.across_processes else None,
-        remote_latencies=self._remote.latencies if self.across_processes else None)
+        remote_latencies=self._remote.latencies if self.across_processes else None,
+        host_cpu=lambda: sum(s.cpu_s for s in {self.dispatcher, self.updater}))
+    self._checks = FiniteChecks(self.num_devices, options.nonfinite, self.stats,
+                                self.num_stages - 1)
     self.checkpoint = RuntimeCheckpoint(self)
-    # Every `latency_every`-th iteration of a device each stage is timed from gradient ready to
-    # update landed (0 = never): the updater hands (stage, start, landing) to its device's
-    # latency task, which records samples (stage, seconds) in `stats`.
-    self._landings = [collections.deque() for _ in devices]
+    self._timer = StageTimer(self.num_devices, self.stats)  # update latencies
     # Stage each task is at, to name it when it fails: (role, device) -> stage index.
     self._position: dict[tuple[str, int], int | None] = {}
     # What compute task i handed to updater i, in order: (stage, output, step, checks).
@@ -268,8 +177,9 @@ class AsyncRuntime:
     """Updater i's part of one iteration: the exchange's begin, on_stage per stage handed over
     by compute task i, end (a task: it waits for the hand-overs and whatever the hooks wait
     for)."""
-    checks, handed = self._checks[i], self._handed[i]
-    timed = bool(self.options.latency_every) and checks.applied % self.options.latency_every == 0
+    handed = self._handed[i]
+    every = self.options.latency_every
+    timed = bool(every) and self._checks.applied[i] % every == 0
     self.outboxes[i].watch = timed
     context = None
     for count in range(self.num_stages):
@@ -285,39 +195,12 @@ class AsyncRuntime:
       landed = yield from awaited(
           self.exchange.on_stage(i, context, s, None if self.fuses_local_step else out, step))
       if timed and landed is not None:
-        self._landings[i].append((s, start, landed))
+        self._timer.hand(i, s, start, landed)
     yield from awaited(self.exchange.end(i, context))
     self._position["updater", i] = None
     if closed is _UPDATER_CLOSES:
       closed = self.store.close_checks(i)
-    if closed is not None:
-      checks.pending.append((checks.applied, *closed))
-    checks.applied += 1
-
-  def _check_finite(self, i: int, wait: bool = True) -> None:
-    """Reads device i's gradient checks, counts skipped iterations, or raises NonFiniteError
-    naming device, stage and step. Without `wait` it stops at the first check not yet computed
-    (an updater never waits for its device)."""
-    checks = self._checks[i]
-    while checks.pending and (wait or checks.pending[0][2].is_ready()):
-      iteration, order, first_nonfinite = checks.pending.popleft()
-      position = int(first_nonfinite)
-      if position < 0:
-        continue
-      if self.options.nonfinite != "skip":
-        raise NonFiniteError(
-            f"non-finite gradient of stage {order[position]} on device {i} at its step "
-            f"{iteration} (backward order: the first stage found non-finite)")
-      self.stats.skipped[i] += 1
-
-  def _record_loss(self, i: int, iteration: int, loss: float) -> None:
-    """Keeps a finite loss; raises NonFiniteError unless non-finite steps are skipped."""
-    if math.isfinite(loss):
-      self.stats.record_loss(i, loss)
-    elif self.options.nonfinite != "skip":
-      raise NonFiniteError(
-          f"non-finite training loss ({loss}) on device {i} at its step {iteration}, in stage "
-          f"{self.num_stages - 1} (the loss stage)")
+    self._checks.applied_one(i, closed)
 
   def iterate_serial(self, i: int, peer: int | None | str = "random") -> float:
     """One whole iteration of device i on the calling thread: the deterministic mode for exact
@@ -330,15 +213,14 @@ class AsyncRuntime:
     iteration = self.store.replicas[i].iteration
     handed: list[tuple] = []
     loss, _ = self._compute_iteration(i, index, lambda *item: handed.append(item))
-    self._record_loss(i, iteration, float(loss))
+    self._checks.record_loss(i, iteration, float(loss))
     self._handed[i].extend(handed)  # last stage first, as the backward emits them
     drive(self._apply_iteration(i))
     self.store.merge_waiting()  # as it would be had every send been merged on arrival
-    while self._landings[i]:  # no latency task here: record on this thread
-      drive(self._record_landing(i, *self._landings[i].popleft()))
+    self._timer.record_now(i)  # no latency task here
     self._budget.finish()
     self._budget.record()
-    self._check_finite(i)
+    self._checks.read(i)
     return float(loss)
 
   # --- compilation ----------------------------------------------------------------------------
@@ -380,18 +262,19 @@ class AsyncRuntime:
       iteration, loss = pending[0]
       yield Ready(loss)
       pending.popleft()
-      self._record_loss(i, iteration, float(loss))
+      self._checks.record_loss(i, iteration, float(loss))
       self._budget.record()
 
   def _compute_task(self, i: int) -> Task:
     pending: collections.deque = collections.deque()
     clock, budget, ahead = self.clocks[i], self._budget, self.options.max_dispatch_ahead
-    replica, checks = self.store.replicas[i], self._checks[i]
-    behind = lambda: replica.iteration - checks.applied  # dispatched, not applied by the updater
+    replica, applied = self.store.replicas[i], self._checks.applied
+    behind = lambda: replica.iteration - applied[i]  # dispatched, not applied by the updater
     while True:
-      if self.exchange.may_wait_before_iteration(i):  # for other devices: read every loss first
+      waits = self.exchange.before_iteration(i)
+      if waits is not None:  # for other devices: read every loss first
         yield from self._read_losses(i, pending, keep=0)
-      yield from awaited(self.exchange.before_iteration(i))
+        yield from awaited(waits)
       own = self.store.replicas[i].iteration if self.exchange.equal_shares else None
       index = budget.try_acquire(own)
       while index is None:
@@ -422,27 +305,9 @@ class AsyncRuntime:
   def _updater_task(self, i: int) -> Task:
     while True:
       yield from self._apply_iteration(i)
-      self._check_finite(i, wait=False)
+      self._checks.read(i, wait=False)
       self._budget.finish()  # last: the main thread may now read this device
       self.dispatcher.wake()
-
-  def _latency_task(self, i: int) -> Task:
-    """Waits for each timed stage to land (a future of a send not yet made, or an array) and
-    records its latency."""
-    landings = self._landings[i]
-    while True:
-      if not landings:
-        yield Until(lambda: landings, "a timed stage")
-      yield from self._record_landing(i, *landings[0])
-      landings.popleft()
-
-  def _record_landing(self, i: int, s: int, start: float, landed: Any) -> Task:
-    if isinstance(landed, Future):
-      yield Until(landed.done, "a send to be made")
-      landed = landed.result()
-    if landed is not None:  # None: a send to another process, timed there
-      yield Ready(landed)
-      self.stats.add_latency(i, s, time.perf_counter() - start)
 
   def _spawn_tasks(self) -> None:
     if self._spawned:
@@ -454,7 +319,7 @@ class AsyncRuntime:
       self.dispatcher.spawn(f"compute:{i}", self._compute_task(i))
       self.updater.spawn(f"updater:{i}", self._updater_task(i))
       if self.options.latency_every:
-        self.updater.spawn(f"latency:{i}", self._latency_task(i))
+        self.updater.spawn(f"latency:{i}", self._timer.task(i))
 
   _spawned = False
 
@@ -541,24 +406,20 @@ class AsyncRuntime:
         target = self._budget.hold(self.num_devices)
     self._raise_if_failed()
     for i in range(self.num_devices):  # every task is idle: read the last flags
-      self._check_finite(i)
+      self._checks.read(i)
     if self._remote is not None:
       # Every process idle and every send to another process merged there: then nothing is
       # in flight anywhere, and the push-sum sums are exact again.
       self._remote.quiesce(self._stop.is_set)
       distributed.all_gather_json(None)
       self._raise_if_failed()
-    self._landings_recorded()
-    self.exchange.settle()
-    self.store.settle()
-    on_progress(self._budget.finished)
-
-  def _landings_recorded(self) -> None:
-    """Waits until every latency task has recorded what it was handed (at a consistent point,
-    every landing has been handed over)."""
-    while any(self._landings):
+    while not self._timer.idle():  # every landing handed over is recorded
       self._raise_if_failed()
       time.sleep(0.001)
+    if self.exchange.state is not None:
+      self.exchange.state.settle()
+    self.store.settle()
+    on_progress(self._budget.finished)
 
   def iterations_done(self) -> int:
     return self._budget.finished
@@ -566,37 +427,27 @@ class AsyncRuntime:
   def restored(self, iterations_done: int) -> None:
     """Counts a restored checkpoint's iterations as done (`RuntimeCheckpoint`)."""
     self._budget.reset(iterations_done)
-    for replica, checks in zip(self.store.replicas, self._checks):
-      checks.applied = replica.iteration
+    for i, replica in enumerate(self.store.replicas):
+      self._checks.applied[i] = replica.iteration
 
   def remote_sends(self) -> int:
     """Sends this process made to other processes' devices (0 in one process)."""
     return self._remote.sends() if self._remote is not None else 0
 
-  def _iteration_arguments(self) -> tuple:
-    """What `flops.staged_calls` needs to replay one iteration of device 0 (its state is not
-    changed)."""
-    replica = self.store.replicas[0]
-    example = jax.device_put((self.example_batch.inputs, self.example_batch.targets),
-                             replica.device)
-    return (self._model, self.store.steps, self.store.update, replica.params,
-            list(replica.state), replica.opt_state, Batch(*example),
-            jax.device_put(jax.random.key(0), replica.device),
-            jax.device_put(np.int32(0), replica.device))
-
   def flops_per_iteration(self, analyse: Callable = flops.lowered) -> float:
     """XLA's FLOPs of one device's iteration (stage functions and updates; no gossip), the
     model's FLOPs: counted without the backward's recomputation (`remat`), as MFU counts them;
     `analyse` is `flops.lowered` (no compilation) or `flops.compiled`."""
-    model, _, *arguments = self._iteration_arguments()
-    steps = make_stage_steps(model, packings=self.store.packings,
-                             state_packings=self.store._state_packings)
-    return flops.staged_flops(model, steps, *arguments, analyse=analyse)
+    steps = make_stage_steps(self._model, packings=self.store.packings,
+                             state_packings=self.store.state_packings)
+    return flops.staged_flops(*flops.replica_calls(self._model, self.store, self.example_batch,
+                                                   steps), analyse=analyse)
 
   def temp_bytes(self) -> int:
     """The largest scratch memory XLA allocates for one of this runtime's functions (a merge
     needs none beyond its output)."""
-    return flops.staged_temp_bytes(*self._iteration_arguments())
+    return flops.staged_temp_bytes(*flops.replica_calls(self._model, self.store,
+                                                        self.example_batch))
 
   def close(self) -> None:
     self._stop.set()

@@ -35,14 +35,15 @@ class RuntimeCheckpoint:
 
   def __init__(self, runtime):
     self.rt = runtime
-
+    # The algorithm's own state (the periodic baselines' averages), or nothing to save.
+    self.extra = runtime.exchange.state or _NoState()
 
   def state_dict(self) -> tuple[PyTree, dict[str, Any]]:
     """(device arrays, JSON-able metadata) that resume the runtime; at a consistent point."""
     # Each device's replica and keys: rows of the checkpoint's arrays that this process writes.
     arrays = {key: DeviceRows(value, self.rt.first, self.rt.total_devices, self.rt.run_devices)
               for key, value in self.rt.store.arrays().items()}
-    exchange_arrays, exchange_meta = self.rt.exchange.state_dict()
+    exchange_arrays, exchange_meta = self.extra.state_dict()
     arrays.update(exchange_arrays)
     meta = {
         "format": CHECKPOINT_FORMAT,
@@ -70,14 +71,14 @@ class RuntimeCheckpoint:
     between processes; what the exchange holds the same on every process is this process's
     copy). A collective, at a consistent point."""
     exchange_arrays = _exchange_arrays(arrays)
-    same = set(self.rt.exchange.same_on_every_process)
+    same = set(self.extra.same_on_every_process)
     own_copy = crossprocess.host_tree({k: v for k, v in exchange_arrays.items() if k in same})
     parts = distributed.all_gather_pickled({
         "arrays": crossprocess.host_tree({k: v for k, v in exchange_arrays.items()
                                           if k not in same}),
         "meta": meta, "first": self.rt.first})
     whole = {key: arrays[key] for key in _OWN_ARRAYS}
-    exchange_arrays, exchange_meta = self.rt.exchange.whole_run_state(
+    exchange_arrays, exchange_meta = self.extra.whole_run_state(
         [({**own_copy, **part["arrays"]}, part["meta"]["exchange"], part["first"])
          for part in parts])
     whole.update(exchange_arrays)
@@ -95,7 +96,7 @@ class RuntimeCheckpoint:
     part = {key: arrays[key] for key in _OWN_ARRAYS}
     if any(len(part[key]) != self.rt.num_devices for key in _OWN_ARRAYS):
       raise ValueError("across processes a state holds this process's replicas only")
-    exchange_arrays, exchange_meta = self.rt.exchange.own_part(
+    exchange_arrays, exchange_meta = self.extra.own_part(
         _exchange_arrays(arrays), meta["exchange"], self.rt.first, self.rt.num_devices)
     part.update(exchange_arrays)
     part_meta = {**meta, "num_devices": self.rt.num_devices, "exchange": exchange_meta,
@@ -128,7 +129,7 @@ class RuntimeCheckpoint:
     else:
       template = {key: DeviceRows(value) for key, value in
                   self.rt.store.restore_template(meta["num_devices"]).items()}
-    template.update(self.rt.exchange.restore_template(meta["exchange"]))
+    template.update(self.extra.restore_template(meta["exchange"]))
     return template
 
   def load_state_dict(self, arrays: PyTree, meta: dict[str, Any]) -> None:
@@ -149,5 +150,26 @@ class RuntimeCheckpoint:
       self.rt.peers.set_state(meta["peer_rngs"])
     else:
       self.rt.peers.set_state(meta["peer_rngs"][:self.rt.num_devices] + self.rt.peers.get_state()[saved:])
-    self.rt.exchange.load_state_dict(arrays, meta["exchange"], saved)
+    self.extra.load_state_dict(arrays, meta["exchange"], saved)
     self.rt.restored(meta["iterations_done"] // saved * self.rt.num_devices)
+
+
+class _NoState:
+  """The `ExchangeState` of an algorithm that keeps nothing beyond the replicas."""
+
+  same_on_every_process: tuple[str, ...] = ()
+
+  def state_dict(self) -> tuple[dict, dict]:
+    return {}, {}
+
+  def restore_template(self, meta: dict) -> dict:
+    return {}
+
+  def load_state_dict(self, arrays: dict, meta: dict, saved_devices: int) -> None:
+    pass
+
+  def whole_run_state(self, parts: list[tuple[dict, dict, int]]) -> tuple[dict, dict]:
+    return parts[0][0], parts[0][1]
+
+  def own_part(self, arrays: dict, meta: dict, first: int, count: int) -> tuple[dict, dict]:
+    return arrays, meta

@@ -3,9 +3,10 @@
 Runs `python -m layup_jax.train --config <config>:<algorithm>` for every algorithm in turn,
 `--repeats` rounds, alternating (round r runs every algorithm once before round r+1 starts), each
 in its own process with its own workdir; reads each run's summary.json. Training time is the
-summary's `wall_time_s` (compilation excluded; evaluations and checkpoint saves included, as
-the command runs them); samples/s is `train_samples_per_s`. The table gives medians over rounds
-and, per algorithm, the median over rounds of its time divided by the first algorithm's in the
+summary's `wall_time_s` (compilation and evaluations excluded, waits for checkpoint saves
+included, as the command runs them); samples/s is `train_samples_per_s`; "threads s" is
+`host_threads_cpu_s`, the CPU time of the runtime's own dispatching threads (none for DDP).
+The table gives medians over rounds and, per algorithm, the median over rounds of its time divided by the first algorithm's in the
 same round, so both sides see the same moments of a shared machine.
 
   python scripts/bench_train.py --config configs/digits.py --algorithms layup ddp --repeats 3
@@ -25,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from layup_jax import provenance  # noqa: E402  (after the path insert)
+from layup_jax import provenance
 
 
 def run_once(config: str, algorithm: str, overrides: list[str], workdir: str) -> dict:
@@ -33,7 +34,7 @@ def run_once(config: str, algorithm: str, overrides: list[str], workdir: str) ->
              "--workdir", workdir, "--config.progress_bar=False",
              *[f"--config.{o}" for o in overrides]]
   started = time.perf_counter()
-  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
   if done.returncode != 0:
     raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
   with open(os.path.join(workdir, "summary.json")) as f:
@@ -41,6 +42,7 @@ def run_once(config: str, algorithm: str, overrides: list[str], workdir: str) ->
   return {"algorithm": algorithm, "wall_time_s": summary["wall_time_s"],
           "samples_per_s": summary["train_samples_per_s"],
           "accuracy": summary["final_eval_accuracy"], "compile_s": summary["compile_s"],
+          "host_threads_cpu_s": summary.get("host_threads_cpu_s"),
           "process_s": time.perf_counter() - started}
 
 
@@ -75,15 +77,19 @@ def main() -> None:
         "wall_time_s": statistics.median(r["wall_time_s"] for r in mine),
         "samples_per_s": statistics.median(r["samples_per_s"] for r in mine),
         "accuracy": statistics.median(r["accuracy"] for r in mine),
+        "host_threads_cpu_s": (statistics.median(r["host_threads_cpu_s"] for r in mine)
+                               if all(r.get("host_threads_cpu_s") is not None for r in mine)
+                               else None),
         f"time_vs_{first}": statistics.median(time_ratio),
         "wall_time_all": [r["wall_time_s"] for r in mine],
     })
   print(f"\n{args.config} {' '.join(args.set)}, {args.repeats} alternated rounds (medians)")
   print(f"{'algorithm':<10} {'train s':>8} {'samples/s':>10} {'accuracy':>9} "
-        f"{'time / ' + first:>12}  all train s")
+        f"{'time / ' + first:>12} {'threads s':>9}  all train s")
   for row in table:
     print(f"{row['algorithm']:<10} {row['wall_time_s']:>8.2f} {row['samples_per_s']:>10.0f} "
-          f"{row['accuracy']:>9.4f} {row[f'time_vs_{first}']:>12.3f}  "
+          f"{row['accuracy']:>9.4f} {row[f'time_vs_{first}']:>12.3f} "
+          f"{'-' if row['host_threads_cpu_s'] is None else format(row['host_threads_cpu_s'], '.2f'):>9}  "
           f"{', '.join(f'{t:.2f}' for t in row['wall_time_all'])}")
   result = {"benchmark": "bench_train", "config": args.config, "overrides": args.set,
             "repeats": args.repeats, "cores": os.cpu_count(),

@@ -235,7 +235,7 @@ def test_a_periodic_checkpoint_across_processes_splits_into_each_process_part_an
   runtime = _co2()
   for i in [0, 1, 0, 1, 0, 1, 2, 3]:  # devices 0 and 1 contributed to boundary 1, 2 and 3 not
     runtime.iterate_serial(i)
-  arrays, meta = runtime.exchange.state_dict()
+  arrays, meta = runtime.exchange.state.state_dict()
   assert [k for _, k in meta["contribution_slots"]] == [0, 1]
   parts = [(*periodic.process_state(arrays, meta, first, 2), first) for first in (0, 2)]
   assert [len(a["contributions"]) for a, _, _ in parts] == [2, 0]

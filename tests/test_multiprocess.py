@@ -232,7 +232,7 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   """Learning rate 0, every replica its own parameters, 2 processes x 4 devices with their
   threads: gossip (a good share of it between the processes; AD-PSGD's pairwise averages too)
   moves the replicas toward their average and must not move the average itself
-  (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.push`)."""
+  (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.send_halved`)."""
   port, script = free_port(), ROOT / "tests" / "multiprocess_pushsum.py"
   processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), algorithm,
                                  "150"], cwd=ROOT, env=environment(4), stdout=subprocess.PIPE,

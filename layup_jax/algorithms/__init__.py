@@ -1,30 +1,67 @@
-"""Training algorithms by name; each builds a `Runtime` from the config, model and data."""
+"""Training algorithms by name: the one registry (`register`), and the only place that reads
+`config.algorithm`.
 
+An algorithm is a `build(config, model, tx, devices, dataset) -> Runtime` and its traits
+(`Algorithm`); everything that differs between two algorithms on the same runtime (GoSGD and
+AD-PSGD, or the four periodic baselines) is bound here, where it is named, rather than by
+branching on the name elsewhere.
+"""
+
+import dataclasses
 from collections.abc import Callable
+
+import ml_collections
+import optax
 
 from layup_jax.algorithms import ddp, gossip, layup, periodic
 from layup_jax.algorithms.base import Runtime
 from layup_jax.snapshot import Snapshot
 
-_REGISTRY: dict[str, Callable[..., Runtime]] = {
-    "layup": layup.build,
-    "ddp": ddp.build,
-    "gosgd": gossip.build,
-    "adpsgd": gossip.build,
-    "local_sgd": periodic.build,
-    "slowmo": periodic.build,
-    "co2": periodic.build,
-    "diloco": periodic.build,
-}
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  build: Callable[..., Runtime]  # (config, model, tx, devices, dataset) -> Runtime
+  # Sends stages to random peers with push-sum weights (the gossip family): across processes
+  # through crossprocess.py, where only per-stage weights can follow a stage to its peer.
+  gossip: bool = False
+  # Takes its outer step at every average (`baselines.out_freq` must equal `baselines.tau`).
+  outer_step_every_average: bool = False
+
+
+_REGISTRY: dict[str, Algorithm] = {}
+
+
+def register(name: str, build: Callable[..., Runtime], **traits: bool) -> None:
+  """Makes `config.algorithm = name` run `build`, with `Algorithm`'s `traits` (refuses a name
+  taken already)."""
+  if name in _REGISTRY:
+    raise ValueError(f"algorithm {name!r} is registered already")
+  _REGISTRY[name] = Algorithm(build, **traits)
 
 
 def names() -> list[str]:
   return sorted(_REGISTRY)
 
 
-def build_runtime(config, model, tx, devices, dataset) -> Runtime:
+def get(name: str) -> Algorithm:
+  return _REGISTRY[name]
+
+
+def build_runtime(config: ml_collections.ConfigDict, model, tx, devices, dataset) -> Runtime:
   """The runtime of `config.algorithm` on `devices`."""
-  return _REGISTRY[config.algorithm](config, model, tx, devices, dataset)
+  return _REGISTRY[config.algorithm].build(config, model, tx, devices, dataset)
 
 
-__all__ = ["Runtime", "Snapshot", "build_runtime", "names"]
+register("layup", layup.build, gossip=True)
+register("ddp", ddp.build)
+register("gosgd", gossip.builder(gossip.GoSGD), gossip=True)
+register("adpsgd", gossip.builder(gossip.ADPSGD), gossip=True)
+register("local_sgd", periodic.builder(lambda b: None))
+register("slowmo", periodic.builder(lambda b: periodic.SlowMo(b.slow_lr, b.slow_momentum)))
+register("co2", periodic.builder(
+    lambda b: periodic.CO2Outer(b.slow_lr, b.slow_momentum, b.co2_clip), lag=1))
+register("diloco", periodic.builder(lambda b: periodic.OptaxOuter(  # Douillard et al. 2023,
+    optax.sgd(b.outer_lr, momentum=b.outer_momentum, nesterov=True))),  # Algorithm 1
+    outer_step_every_average=True)
+
+__all__ = ["Algorithm", "Runtime", "Snapshot", "build_runtime", "get", "names", "register"]

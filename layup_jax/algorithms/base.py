@@ -5,10 +5,13 @@ from typing import Any, Protocol
 
 import jax
 import ml_collections
+import optax
 
 from layup_jax import models
 from layup_jax.data.pipeline import Batch
+from layup_jax.options import RuntimeOptions
 from layup_jax.run_stats import RunStats
+from layup_jax.runtime import AsyncRuntime
 from layup_jax.stages import StagedModel
 
 PyTree = Any
@@ -59,6 +62,16 @@ class Runtime(Protocol):
 
   def close(self) -> None:
     """Stops and joins whatever the runtime started; safe to call twice."""
+
+
+def asynchronous_runtime(config: ml_collections.ConfigDict, model: StagedModel,
+                         tx: optax.GradientTransformation, devices, dataset,
+                         make_exchange: Callable) -> AsyncRuntime:
+  """An algorithm on the asynchronous runtime: its `Exchange` (`make_exchange(links)`) on
+  replicas that all start from the run's initial model."""
+  params, state = init_model(config, model, dataset.example_batch)
+  return AsyncRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,
+                      make_exchange, RuntimeOptions.from_config(config))
 
 
 def init_model(config: ml_collections.ConfigDict, model: StagedModel, example_batch: Batch):

@@ -15,21 +15,20 @@ atomic pairwise step of the replica store (`ReplicaStore.average_pair`): the sum
 is kept whatever local steps land meanwhile.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import ml_collections
 import optax
 
-from layup_jax.algorithms.base import init_model
+from layup_jax.algorithms.base import asynchronous_runtime
 from layup_jax.data import Dataset, TrainStreams
-from layup_jax.exchange import LocalStepsExchange
-from layup_jax.options import RuntimeOptions
+from layup_jax.exchange import Hooks, local_update
 from layup_jax.runtime import AsyncRuntime
 from layup_jax.stages import StagedModel
 
 
-class GoSGD(LocalStepsExchange):
+class GoSGD(Hooks):
   """Local steps stage by stage; after the last, the whole model pushed to one peer, stage by
   stage, with push-sum weights."""
 
@@ -41,13 +40,16 @@ class GoSGD(LocalStepsExchange):
     model_weight = self.store.halve_model_weight(i) if per_model else None
     outbox = self.links.outboxes[i]
     for s in range(self.store.num_stages):
-      outbox.push(j, s, model_weight[s] if model_weight else None)
+      if model_weight is None:
+        outbox.send_halved(j, s)
+      else:
+        outbox.send_weighted(j, s, model_weight[s])
     yield from outbox.flush()
     if model_weight:
       self.store.add_model_weight(j, model_weight)
 
 
-class ADPSGD(LocalStepsExchange):
+class ADPSGD(Hooks):
   """Per stage, as its gradient arrives: averaged with the peer's (both keep the average), then
   the gradient applied to the average (Algorithm 1's last two steps): the update waits for the
   average, so it is not fused into the backward."""
@@ -63,21 +65,16 @@ class ADPSGD(LocalStepsExchange):
       remote.average(i, peer, s, self.links.stopped)  # the peer's process corrects its side
     elif peer is not None:
       yield from self.store.average_pair(i, peer - self.peers.first, s)
-    self.store.local_step(i, s, grads, step)
-
-  def end(self, i: int, peer: int | None) -> None:
-    pass
+    local_update(self.store, i, s, grads, step)
 
   def compile(self) -> None:
     jax.block_until_ready(self.store.compile_pair_average())
 
 
-EXCHANGES = {"gosgd": GoSGD, "adpsgd": ADPSGD}
-
-
-def build(config: ml_collections.ConfigDict, model: StagedModel,
-          tx: optax.GradientTransformation, devices: Sequence[jax.Device],
-          dataset: Dataset | TrainStreams) -> AsyncRuntime:
-  params, state = init_model(config, model, dataset.example_batch)
-  return AsyncRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,
-                      EXCHANGES[config.algorithm], RuntimeOptions.from_config(config))
+def builder(exchange: type) -> Callable[..., AsyncRuntime]:
+  """The `build` of a gossip algorithm whose `Exchange` is `exchange` (the registry's entry)."""
+  def build(config: ml_collections.ConfigDict, model: StagedModel,
+            tx: optax.GradientTransformation, devices: Sequence[jax.Device],
+            dataset: Dataset | TrainStreams) -> AsyncRuntime:
+    return asynchronous_runtime(config, model, tx, devices, dataset, exchange)
+  return build

@@ -27,10 +27,9 @@ import jax
 import ml_collections
 import optax
 
-from layup_jax.algorithms.base import init_model
+from layup_jax.algorithms.base import asynchronous_runtime
 from layup_jax.data import Dataset, TrainStreams
-from layup_jax.exchange import StatelessExchange
-from layup_jax.options import RuntimeOptions
+from layup_jax.exchange import Hooks, local_update
 from layup_jax.runtime import AsyncRuntime
 from layup_jax.stages import StagedModel
 
@@ -41,17 +40,16 @@ class Iteration:
   model_weight: list[float] | None  # per-model push-sum: the halved w_i, per stage
 
 
-class LayUp(StatelessExchange):
-  """Algorithm 1's updater (module docstring), on the replica store and outboxes.
+class LayUp(Hooks):
+  """Algorithm 1's updater (module docstring), on the replica store and outboxes: `begin` picks
+  j (and halves w_i per model), `on_stage` is the loop body for layer s, `end` lets the last
+  sends go and grows w_j per model. The peer update runs on j's device, merged into j's next
+  program that reads the stage (layup_jax/replicas.py)."""
 
-  The local update of each stage runs in the program of its backward, dispatched by the compute
-  thread as the gradient is computed (`ReplicaStore.backward_step`): it applies to the newest
-  x_{i,l} under the same lock a merge takes, as the updater's step did, without a gradient
-  array, a hand-over and a program of its own. The updater's part per layer is then the
-  communication: it sends the updated layer to j once it is computed. The order per layer is
-  Algorithm 1's (local update, then send, then the peer update).
-  """
-
+  # The local update runs in the program of the stage's backward, as its gradient is computed
+  # (`ReplicaStore.backward_step`), under the same atomic write a merge takes: `on_stage` then
+  # finds it applied (`local_update` with grads None). `layup.fuse_local_step=False` applies it
+  # here instead, from the gradient.
   fuses_local_step = True
 
   def begin(self, i: int) -> Iteration:
@@ -60,25 +58,23 @@ class LayUp(StatelessExchange):
     return Iteration(j, self.store.halve_model_weight(i) if per_model else None)
 
   def on_stage(self, i: int, it: Iteration, s: int, grads, step: jax.Array):
-    updated = (self.store.params(i, s) if grads is None
-               else self.store.local_step(i, s, grads, step))
+    x = local_update(self.store, i, s, grads, step)  # Local update
     if it.peer is None:
-      return updated
-    # Per stage: w_{i,s} is halved as the stage leaves, w_{j,s} grows as it is mixed in.
-    amount = it.model_weight[s] if it.model_weight else None
-    return self.links.outboxes[i].push(it.peer, s, amount)
+      return x
+    outbox = self.links.outboxes[i]
+    if it.model_weight is None:  # per stage: w_{i,s} halved as x^{i,s} leaves, w_{j,s} += it
+      return outbox.send_halved(it.peer, s)  # Communication; the peer update on j's device
+    return outbox.send_weighted(it.peer, s, it.model_weight[s])  # per model: w_i halved at begin
 
   def end(self, i: int, it: Iteration):
     if it.peer is None:
       return
-    yield from self.links.outboxes[i].flush()
+    yield from self.links.outboxes[i].flush()  # every layer of this iteration sent
     if it.model_weight:
-      self.store.add_model_weight(it.peer, it.model_weight)
+      self.store.add_model_weight(it.peer, it.model_weight)  # w_j <- w_j + w_i
 
 
 def build(config: ml_collections.ConfigDict, model: StagedModel,
           tx: optax.GradientTransformation, devices: Sequence[jax.Device],
           dataset: Dataset | TrainStreams) -> AsyncRuntime:
-  params, state = init_model(config, model, dataset.example_batch)
-  return AsyncRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,
-                      LayUp, RuntimeOptions.from_config(config))
+  return asynchronous_runtime(config, model, tx, devices, dataset, LayUp)

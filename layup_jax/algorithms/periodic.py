@@ -51,11 +51,10 @@ import numpy as np
 import optax
 
 from layup_jax import collectives, optim
-from layup_jax.algorithms.base import init_model
+from layup_jax.algorithms.base import asynchronous_runtime
 from layup_jax.data import Dataset, TrainStreams
 from layup_jax.errors import ConfigError
-from layup_jax.exchange import Links, LocalStepsExchange
-from layup_jax.options import RuntimeOptions
+from layup_jax.exchange import Hooks, Links
 from layup_jax.replicas import device_arrays_like
 from layup_jax.runtime import AsyncRuntime
 from layup_jax.scheduler import Task, Until
@@ -201,144 +200,54 @@ class PeriodSync:
       self._arrived = collections.defaultdict(int, arrived)
 
 
-class PeriodicAveraging(LocalStepsExchange):
-  """Local steps, then exact global averages every `tau` iterations (see the module doc)."""
+class PeriodState:
+  """What the periodic baselines keep beyond the replicas (`Exchange.state`): the anchor and
+  outer state, the results R_p of the latest periods, the contributions of periods not yet
+  averaged, and each device's progress through the boundaries; settled, saved and restored by
+  the runtime (layup_jax/runtime_state.py)."""
 
-  schedule_by_own_iteration = True  # every device's k-th local step at the schedule's step k
-  equal_shares = True  # every device takes the run's iterations / devices (a CO2 record or
-                      # checkpoint then falls at the same iterations whatever the timing)
   # Replicated averages: at a checkpoint every process has run the same ones.
   same_on_every_process = ("anchor", "outer_state", "results")
 
-  def __init__(self, links: Links, *, tau: int, out_freq: int, outer: OuterStep | None,
-               lag: int, learning_rate: Callable[[int], float] = lambda step: 1.0):
-    super().__init__(links)
-    if tau < 1 or out_freq % tau:
-      raise ValueError(f"out_freq={out_freq} must be a positive multiple of tau={tau}")
-    self.tau, self.out_freq, self.lag = tau, out_freq, lag
-    self._learning_rate = learning_rate
-    store = self.store
-    self.num_devices, self.num_stages = store.num_devices, store.num_stages
-    self._mix_state = links.options.bn_policy == "mix"
-    self._mesh = collectives.DeviceMesh([r.device for r in store.replicas], links.run_devices)
-    total = len(links.run_devices)  # the mean is over every process's devices
-    self._sync = PeriodSync(self.num_devices, self._average)
-    self._finished = [0] * self.num_devices  # iterations whose updates device i has applied
-    self._applied = [0] * self.num_devices  # boundaries whose reset device i has applied
-    self._contributions: dict[int, list] = {}
+  def __init__(self, store, mesh: collectives.DeviceMesh, *, tau: int, lag: int,
+               mix_state: bool, outer: OuterStep | None, average: Callable[[int], None]):
+    self.store, self.mesh, self.tau, self.lag, self.mix_state = store, mesh, tau, lag, mix_state
+    self.num_devices = store.num_devices
+    self.sync = PeriodSync(self.num_devices, average)
+    self.finished = [0] * self.num_devices  # iterations whose updates device i has applied
+    self.applied = [0] * self.num_devices  # boundaries whose reset device i has applied
+    self.contributions: dict[int, list] = {}
     first = store.replicas[0]
-    self._anchor = self._mesh.replicate(list(first.params))
-    self._outer = outer
-    self._outer_state = self._mesh.replicate(outer.init(list(first.params))) if outer else ()
+    self.anchor = mesh.replicate(list(first.params))
+    self.outer_state = mesh.replicate(outer.init(list(first.params))) if outer else ()
     # R_p per boundary p, replicated over the mesh, and its per-device copies with the state.
-    self._global = {0: self._anchor}
-    self._results = {0: ([list(r.params) for r in store.replicas],
-                         [list(r.state) for r in store.replicas] if self._mix_state else None)}
-    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                        (list(first.params), list(first.state)))
-    out = (self._mesh.replicated,) * 4
-    self._sync_steps = {
-        outer_now: jax.jit(functools.partial(
-            sync_step, like_params=like[0], like_state=like[1], num_devices=total,
-            outer=outer, outer_now=outer_now, lagged=bool(lag), mix_state=self._mix_state),
-            out_shardings=out)
-        for outer_now in (False, True)
-    }
+    self.averages = {0: self.anchor}
+    self.results = {0: ([list(r.params) for r in store.replicas],
+                        [list(r.state) for r in store.replicas] if mix_state else None)}
 
-  def _sync_arguments(self, params, state, period: int) -> tuple:
-    base = self._global[max(period - 1 - self.lag, 0)]
-    previous = self._global[period - 1]
-    learning_rate = self._mesh.replicate(np.float32(self._learning_rate(period * self.tau - 1)))
-    return (params, state, base, previous, self._anchor, self._outer_state, learning_rate)
-
-  def compile(self) -> None:
-    """Runs both sync steps once on stand-in arguments of the right shapes and placements
-    (the anchor for every model R_p: a resumed run holds only its latest periods' results)."""
-    replicas = self.store.replicas
-    params = self._mesh.stack([list(r.params) for r in replicas])
-    state = self._mesh.stack([list(r.state) for r in replicas])
-    learning_rate = self._mesh.replicate(np.float32(1.0))
-    for step in self._sync_steps.values():
-      jax.block_until_ready(step(params, state, self._anchor, self._anchor, self._anchor,
-                                 self._outer_state, learning_rate))
-
-  # --- the period boundary ----------------------------------------------------------------------
-
-  def _average(self, period: int) -> None:
-    """Run by the last device to reach boundary `period`: average, outer step, results."""
-    contributions = self._contributions.pop(period)
-    params = self._mesh.stack([c[0] for c in contributions])
-    state = self._mesh.stack([c[1] for c in contributions])
-    outer_now = self._outer is not None and (period * self.tau) % self.out_freq == 0
-    result, self._anchor, self._outer_state, average_state = self._sync_steps[outer_now](
-        *self._sync_arguments(params, state, period))
-    self._global[period] = result
-    self._results[period] = (self._mesh.unstack(result),
-                             self._mesh.unstack(average_state) if self._mix_state else None)
-    # R_{b-1} stays: the base of boundary b+1 under CO2's lag, and the reset at b.
-    self._global.pop(period - 2, None)
-    self._results.pop(period - 2, None)
-    if self.lag == 0:
-      for k in range(self.num_devices):
-        self._reset(k, period, period)
-
-  def _reset(self, k: int, boundary: int, period: int) -> None:
+  def reset(self, k: int, boundary: int, period: int) -> None:
     """Device k's model <- `period`'s result (its BatchNorm state too under "mix"), for
     boundary `boundary`."""
-    params, state = self._results[period]
+    params, state = self.results[period]
     self.store.reset(k, params[k], state[k] if state is not None else None)
-    self._applied[k] = boundary
+    self.applied[k] = boundary
 
-  def _take_ready_result(self, k: int, boundary: int) -> bool:
+  def take_ready_result(self, k: int, boundary: int) -> bool:
     """Device k, at boundary `boundary`, takes the result it continues from (R_b; R_{b-1}
     under CO2's lag) if that is ready and not yet taken; True if it took it now."""
-    if self._applied[k] >= boundary or self._sync.done < boundary - self.lag:
+    if self.applied[k] >= boundary or self.sync.done < boundary - self.lag:
       return False
-    self._reset(k, boundary, boundary - self.lag)
+    self.reset(k, boundary, boundary - self.lag)
     return True
-
-  def end(self, i, context) -> None:
-    finished = self._finished[i] + 1
-    if finished % self.tau == 0:
-      boundary = finished // self.tau
-      replica = self.store.replicas[i]
-      self._contributions.setdefault(boundary, [None] * self.num_devices)[i] = (
-          list(replica.params), list(replica.state))
-      # The last device to arrive averages; with lag 0 it also resets every model.
-      self._sync.arrive(boundary)
-      self._take_ready_result(i, boundary)  # CO2: the stale average may be ready
-    self._finished[i] = finished  # after the reset: the compute task may now reset instead
 
   def settle(self) -> None:
     """A device that contributed at a boundary before the average it continues from was
     ready (CO2) takes it now rather than at its next iteration: at a consistent point every
     device has reached the boundary, so the average is ready, and the snapshot (an evaluation,
     a checkpoint) holds it whatever the timing."""
-    for k, finished in enumerate(self._finished):
+    for k, finished in enumerate(self.finished):
       if finished and finished % self.tau == 0:
-        self._take_ready_result(k, finished // self.tau)
-
-  def may_wait_before_iteration(self, i: int) -> bool:
-    k = self.store.replicas[i].iteration
-    return bool(k) and k % self.tau == 0  # at a boundary: until the others arrive
-
-  def before_iteration(self, i: int) -> Task | None:
-    if not self.may_wait_before_iteration(i):
-      return None
-    return self._wait_at_boundary(i)
-
-  def _wait_at_boundary(self, i: int) -> Task:
-    k = self.store.replicas[i].iteration
-    boundary = k // self.tau
-    needed = boundary - self.lag
-
-    def ready() -> bool:
-      return self._applied[i] >= boundary or (self._finished[i] >= k
-                                              and self._sync.done >= needed)
-
-    if not ready():
-      yield Until(ready, f"every device at boundary {needed} (device {i} is at {boundary})")
-    self._take_ready_result(i, boundary)  # it was not ready when this device arrived
+        self.take_ready_result(k, finished // self.tau)
 
   # --- checkpoints --------------------------------------------------------------------------------
 
@@ -346,18 +255,18 @@ class PeriodicAveraging(LocalStepsExchange):
     return {"params": list(params), "state": list(state) if state is not None else []}
 
   def state_dict(self):
-    slots = [(p, k) for p, models in sorted(self._contributions.items())
+    slots = [(p, k) for p, models in sorted(self.contributions.items())
              for k, model in enumerate(models) if model is not None]
-    periods = sorted(self._results)
+    periods = sorted(self.results)
     arrays = {
-        "anchor": self._anchor, "outer_state": self._outer_state,
+        "anchor": self.anchor, "outer_state": self.outer_state,
         # Averages are replicated: one copy each (period 0's are the identical initial models).
-        "results": [self._model_arrays(self._results[p][0][0], (self._results[p][1] or [None])[0])
+        "results": [self._model_arrays(self.results[p][0][0], (self.results[p][1] or [None])[0])
                     for p in periods],
-        "contributions": [self._model_arrays(*self._contributions[p][k]) for p, k in slots],
+        "contributions": [self._model_arrays(*self.contributions[p][k]) for p, k in slots],
     }
-    meta = {"finished": list(self._finished), "applied": list(self._applied),
-            "periods_done": self._sync.done, "result_periods": periods,
+    meta = {"finished": list(self.finished), "applied": list(self.applied),
+            "periods_done": self.sync.done, "result_periods": periods,
             "contribution_slots": [list(slot) for slot in slots]}
     return arrays, meta
 
@@ -374,7 +283,7 @@ class PeriodicAveraging(LocalStepsExchange):
     self._check_resumable(meta, len(meta["finished"]))
     replicas = self.store.replicas
     model = self._model_arrays(replicas[0].params, replicas[0].state)
-    result = self._model_arrays(replicas[0].params, replicas[0].state if self._mix_state
+    result = self._model_arrays(replicas[0].params, replicas[0].state if self.mix_state
                                 else None)
     # The anchor and outer state come back on one device and are replicated from there (a
     # replicated sharding may span other processes' devices, which this one cannot read).
@@ -382,7 +291,7 @@ class PeriodicAveraging(LocalStepsExchange):
     like = lambda tree: jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=first_device), tree)
     return {
-        "anchor": like(self._anchor), "outer_state": like(self._outer_state),
+        "anchor": like(self.anchor), "outer_state": like(self.outer_state),
         "results": device_arrays_like(result, lambda j: replicas[0].device,
                                       len(meta["result_periods"])),
         "contributions": [device_arrays_like(model, lambda j, k=k: replicas[
@@ -393,26 +302,25 @@ class PeriodicAveraging(LocalStepsExchange):
     self._check_resumable(meta, saved_devices)
     finished, count = meta["finished"], self.num_devices
     same = saved_devices == count
-    self._finished = list(finished) if same else [finished[0]] * count
-    self._applied = list(meta["applied"]) if same else [meta["applied"][0]] * count
+    self.finished = list(finished) if same else [finished[0]] * count
+    self.applied = list(meta["applied"]) if same else [meta["applied"][0]] * count
     replicas = self.store.replicas
-    self._anchor = self._mesh.replicate(arrays["anchor"])
-    self._outer_state = self._mesh.replicate(arrays["outer_state"])
-    self._results = {
+    self.anchor = self.mesh.replicate(arrays["anchor"])
+    self.outer_state = self.mesh.replicate(arrays["outer_state"])
+    self.results = {
         p: ([jax.device_put(model["params"], r.device) for r in replicas],
-            [jax.device_put(model["state"], r.device) for r in replicas] if self._mix_state
+            [jax.device_put(model["state"], r.device) for r in replicas] if self.mix_state
             else None)
         for p, model in zip(meta["result_periods"], arrays["results"])}
-    self._global = {p: self._mesh.replicate(model["params"])
-                    for p, model in zip(meta["result_periods"], arrays["results"])}
-    self._contributions = {}
+    self.averages = {p: self.mesh.replicate(model["params"])
+                     for p, model in zip(meta["result_periods"], arrays["results"])}
+    self.contributions = {}
     for (p, k), model in zip(meta["contribution_slots"], arrays["contributions"]):
-      self._contributions.setdefault(p, [None] * count)[k] = (list(model["params"]),
-                                                              list(model["state"]))
-    self._sync.restore(meta["periods_done"],
-                       {p: sum(m is not None for m in models)
-                        for p, models in self._contributions.items()})
-
+      self.contributions.setdefault(p, [None] * count)[k] = (list(model["params"]),
+                                                             list(model["state"]))
+    self.sync.restore(meta["periods_done"],
+                      {p: sum(m is not None for m in models)
+                       for p, models in self.contributions.items()})
 
   # --- across processes: one checkpoint of the whole run ----------------------------------------
 
@@ -421,6 +329,115 @@ class PeriodicAveraging(LocalStepsExchange):
 
   def own_part(self, arrays, meta, first: int, count: int):
     return process_state(arrays, meta, first, count)
+
+
+class PeriodicAveraging(Hooks):
+  """Local steps, then exact global averages every `tau` iterations (see the module doc); its
+  state beyond the replicas is `self.state` (`PeriodState`)."""
+
+  schedule_by_own_iteration = True  # every device's k-th local step at the schedule's step k
+  equal_shares = True  # every device takes the run's iterations / devices (a CO2 record or
+                      # checkpoint then falls at the same iterations whatever the timing)
+
+  def __init__(self, links: Links, *, tau: int, out_freq: int, outer: OuterStep | None,
+               lag: int, learning_rate: Callable[[int], float] = lambda step: 1.0):
+    super().__init__(links)
+    if tau < 1 or out_freq % tau:
+      raise ValueError(f"out_freq={out_freq} must be a positive multiple of tau={tau}")
+    self.tau, self.out_freq, self.lag = tau, out_freq, lag
+    self._learning_rate = learning_rate
+    store = self.store
+    self.num_devices, self.num_stages = store.num_devices, store.num_stages
+    self._mix_state = links.options.bn_policy == "mix"
+    self._mesh = collectives.DeviceMesh([r.device for r in store.replicas], links.run_devices)
+    total = len(links.run_devices)  # the mean is over every process's devices
+    self._outer = outer
+    self.state = PeriodState(store, self._mesh, tau=tau, lag=lag, mix_state=self._mix_state,
+                             outer=outer, average=self._average)
+    first = store.replicas[0]
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                        (list(first.params), list(first.state)))
+    out = (self._mesh.replicated,) * 4
+    self._sync_steps = {
+        outer_now: jax.jit(functools.partial(
+            sync_step, like_params=like[0], like_state=like[1], num_devices=total,
+            outer=outer, outer_now=outer_now, lagged=bool(lag), mix_state=self._mix_state),
+            out_shardings=out)
+        for outer_now in (False, True)
+    }
+
+  def _sync_arguments(self, params, state, period: int) -> tuple:
+    averages = self.state.averages
+    base = averages[max(period - 1 - self.lag, 0)]
+    previous = averages[period - 1]
+    learning_rate = self._mesh.replicate(np.float32(self._learning_rate(period * self.tau - 1)))
+    return (params, state, base, previous, self.state.anchor, self.state.outer_state,
+            learning_rate)
+
+  def compile(self) -> None:
+    """Runs both sync steps once on stand-in arguments of the right shapes and placements
+    (the anchor for every model R_p: a resumed run holds only its latest periods' results)."""
+    replicas = self.store.replicas
+    params = self._mesh.stack([list(r.params) for r in replicas])
+    state = self._mesh.stack([list(r.state) for r in replicas])
+    learning_rate = self._mesh.replicate(np.float32(1.0))
+    anchor = self.state.anchor
+    for step in self._sync_steps.values():
+      jax.block_until_ready(step(params, state, anchor, anchor, anchor,
+                                 self.state.outer_state, learning_rate))
+
+  # --- the period boundary ----------------------------------------------------------------------
+
+  def _average(self, period: int) -> None:
+    """Run by the last device to reach boundary `period`: average, outer step, results."""
+    st = self.state
+    contributions = st.contributions.pop(period)
+    params = self._mesh.stack([c[0] for c in contributions])
+    state = self._mesh.stack([c[1] for c in contributions])
+    outer_now = self._outer is not None and (period * self.tau) % self.out_freq == 0
+    result, st.anchor, st.outer_state, average_state = self._sync_steps[outer_now](
+        *self._sync_arguments(params, state, period))
+    st.averages[period] = result
+    st.results[period] = (self._mesh.unstack(result),
+                          self._mesh.unstack(average_state) if self._mix_state else None)
+    # R_{b-1} stays: the base of boundary b+1 under CO2's lag, and the reset at b.
+    st.averages.pop(period - 2, None)
+    st.results.pop(period - 2, None)
+    if self.lag == 0:
+      for k in range(self.num_devices):
+        st.reset(k, period, period)
+
+  def end(self, i, context) -> None:
+    st = self.state
+    finished = st.finished[i] + 1
+    if finished % self.tau == 0:
+      boundary = finished // self.tau
+      replica = self.store.replicas[i]
+      st.contributions.setdefault(boundary, [None] * self.num_devices)[i] = (
+          list(replica.params), list(replica.state))
+      # The last device to arrive averages; with lag 0 it also resets every model.
+      st.sync.arrive(boundary)
+      st.take_ready_result(i, boundary)  # CO2: the stale average may be ready
+    st.finished[i] = finished  # after the reset: the compute task may now reset instead
+
+  def before_iteration(self, i: int) -> Task | None:
+    """At a boundary: a task that waits until every device has arrived (None elsewhere)."""
+    k = self.store.replicas[i].iteration
+    if not k or k % self.tau:
+      return None
+    return self._wait_at_boundary(i, k)
+
+  def _wait_at_boundary(self, i: int, k: int) -> Task:
+    st = self.state
+    boundary = k // self.tau
+    needed = boundary - self.lag
+
+    def ready() -> bool:
+      return st.applied[i] >= boundary or (st.finished[i] >= k and st.sync.done >= needed)
+
+    if not ready():
+      yield Until(ready, f"every device at boundary {needed} (device {i} is at {boundary})")
+    st.take_ready_result(i, boundary)  # it was not ready when this device arrived
 
 
 _PER_DEVICE = ("finished", "applied")  # the per-device entries of the exchange's metadata
@@ -455,17 +472,6 @@ def process_state(arrays: dict, meta: dict, first: int, count: int) -> tuple[dic
   return arrays, meta
 
 
-def make_outer(config: ml_collections.ConfigDict) -> OuterStep | None:
-  """The outer optimizer of `config.algorithm` (None for Local SGD)."""
-  b = config.baselines
-  return {
-      "local_sgd": None,
-      "slowmo": SlowMo(b.slow_lr, b.slow_momentum),
-      "co2": CO2Outer(b.slow_lr, b.slow_momentum, b.co2_clip),
-      "diloco": OptaxOuter(optax.sgd(b.outer_lr, momentum=b.outer_momentum, nesterov=True)),
-  }[config.algorithm]
-
-
 def make_exchange(*, tau: int, out_freq: int, outer: OuterStep | None, lag: int,
                   learning_rate: Callable[[int], float] = lambda step: 1.0):
   """The exchange factory `AsyncRuntime` takes, for one periodic-averaging algorithm;
@@ -474,16 +480,19 @@ def make_exchange(*, tau: int, out_freq: int, outer: OuterStep | None, lag: int,
                            learning_rate=learning_rate)
 
 
-def build(config: ml_collections.ConfigDict, model: StagedModel,
-          tx: optax.GradientTransformation, devices: Sequence[jax.Device],
-          dataset: Dataset | TrainStreams) -> AsyncRuntime:
-  params, state = init_model(config, model, dataset.example_batch)
-  steps_per_epoch = getattr(dataset, "steps_per_epoch", 0)  # benchmark streams have none
-  schedule = optim.make_schedule(config.optimizer,
-                                 config.num_steps or config.num_epochs * steps_per_epoch,
-                                 steps_per_epoch)
-  exchange = make_exchange(tau=config.baselines.tau, out_freq=config.baselines.out_freq,
-                           outer=make_outer(config), lag=1 if config.algorithm == "co2" else 0,
-                           learning_rate=lambda step: float(schedule(step)))
-  return AsyncRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,
-                      exchange, RuntimeOptions.from_config(config))
+def builder(make_outer: Callable[[ml_collections.ConfigDict], OuterStep | None],
+            lag: int = 0) -> Callable[..., AsyncRuntime]:
+  """The `build` of one periodic baseline (the registry's entry): its outer step from
+  `make_outer(config.baselines)` (None: Local SGD), `lag` periods of staleness (CO2's 1)."""
+  def build(config: ml_collections.ConfigDict, model: StagedModel,
+            tx: optax.GradientTransformation, devices: Sequence[jax.Device],
+            dataset: Dataset | TrainStreams) -> AsyncRuntime:
+    steps_per_epoch = getattr(dataset, "steps_per_epoch", 0)  # benchmark streams have none
+    schedule = optim.make_schedule(config.optimizer,
+                                   config.num_steps or config.num_epochs * steps_per_epoch,
+                                   steps_per_epoch)
+    exchange = make_exchange(tau=config.baselines.tau, out_freq=config.baselines.out_freq,
+                             outer=make_outer(config.baselines), lag=lag,
+                             learning_rate=lambda step: float(schedule(step)))
+    return asynchronous_runtime(config, model, tx, devices, dataset, exchange)
+  return build
