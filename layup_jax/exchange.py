@@ -25,6 +25,7 @@ import numpy as np
 from layup_jax.options import RuntimeOptions
 from layup_jax.outbox import Outbox
 from layup_jax.replicas import ReplicaStore
+from layup_jax.transport import Transport
 
 PyTree = Any
 
@@ -74,8 +75,8 @@ class PeerSampler:
 class Links:
   """What an exchange works with: the replicas, each device's outbox, the peer sampler, the
   runtime's options, `stopped()`, true once the runtime stops (for waits at a period), the
-  run's devices (every process's; the store holds this process's), and, in a run across
-  processes, the link to the other processes' devices (layup_jax/crossprocess.py; else None)."""
+  run's devices (every process's; the store holds this process's), and the transport to any
+  peer's device, in this process or another (layup_jax/transport.py)."""
 
   store: ReplicaStore
   outboxes: list[Outbox]
@@ -83,7 +84,7 @@ class Links:
   options: RuntimeOptions
   stopped: Any
   run_devices: list
-  remote: Any = None
+  transport: Transport
 
 
 class ExchangeState(Protocol):

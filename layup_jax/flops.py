@@ -79,6 +79,16 @@ def replica_calls(model: stages.StagedModel, store: Any, example: Any,
           jax.device_put(np.int32(0), replica.device))
 
 
+def replica_flops(model: stages.StagedModel, store: Any, example: Any,
+                  analyse: Callable = lowered) -> float:
+  """XLA's FLOPs of one iteration of the replica store's device 0 (stage functions and updates;
+  no gossip): the model's FLOPs, counted without the backward's recomputation (`remat`), as
+  MFU counts them; `analyse` is `lowered` (no compilation) or `compiled`."""
+  steps = stages.make_stage_steps(model, packings=store.packings,
+                                  state_packings=store.state_packings)
+  return staged_flops(*replica_calls(model, store, example, steps), analyse=analyse)
+
+
 def staged_flops(model: stages.StagedModel, steps: stages.StageSteps, update: Callable, params,
                  state, opt_state, batch, key, iteration, analyse: Callable = lowered) -> float:
   """FLOPs of one staged iteration on one device: every stage function's cost, summed;

@@ -35,9 +35,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from layup_jax import transfer
 from layup_jax.replicas import ReplicaStore
 from layup_jax.scheduler import Ready, Task
+from layup_jax.transport import Transport
 
 PyTree = Any
 # Merges pending on a device from which it counts as congested: a quarter of the 32 programs
@@ -64,14 +64,12 @@ def _is_ready(tree: PyTree) -> bool:
 class Outbox:
   """Device `sender`'s sends not yet made, and its merges not yet landed on peers."""
 
-  def __init__(self, store: ReplicaStore, sender: int, choose: Any = None,
-               max_in_flight: int = 0, first: int = 0, remote: Any = None,
-               stopped: Any = lambda: False):
+  def __init__(self, store: ReplicaStore, sender: int, transport: Transport,
+               choose: Any = None, max_in_flight: int = 0):
     """`choose(sender, candidates)` picks a peer among candidates (rerouted sends). Peers are
-    positions in the run; the store's devices are its `first ..` ones, and a send to any other
-    goes to its process through `remote` (layup_jax/crossprocess.py)."""
+    positions in the run; `transport` takes a send to a device of this process or another."""
     self._store, self._sender, self._choose = store, sender, choose
-    self._first, self._remote, self._stopped = first, remote, stopped
+    self._transport = transport
     self.reroute_congested = False
     # Posted sends: (peer, stage, part, amount, whether the merge adds it, future or None).
     self._pending: collections.deque = collections.deque()
@@ -123,16 +121,14 @@ class Outbox:
             watched: Future | None) -> None:
     """Sends a computed `part` (and room under the bound)."""
     self.sent += 1
-    if self._remote is not None and self._remote.is_remote(peer):
-      self._remote.send(peer, s, part, amount, self._stopped)
-      if watched is not None:  # timed on the receiving process (`remote_send_latency_ms`)
+    j = self._transport.local(peer)
+    if j is not None and self.reroute_congested and add_weight:
+      peer += self._uncongested(j) - j
+    landed = self._transport.send(peer, s, part, amount, add_weight)
+    if landed is None:  # timed on the receiving process (`remote_send_latency_ms`)
+      if watched is not None:
         watched.set_result(None)
       return
-    peer -= self._first  # the store's index
-    if self.reroute_congested and add_weight:
-      peer = self._uncongested(peer)
-    received = transfer.to_device(part, self._store.device(peer))
-    landed = self._store.merge(peer, s, received, amount, add_weight)
     if self.max_in_flight < math.inf:
       self._in_flight.append(_landed(landed))
       self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))

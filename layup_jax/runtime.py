@@ -1,34 +1,19 @@
 """The asynchronous runtime: every device's compute and updater work (paper Section 3), driven
-as cooperative tasks by two threads per process.
+as cooperative tasks (layup_jax/scheduler.py) by two threads per process.
 
-The only module that starts threads. What happens to a device's stages is its algorithm's
-`Exchange` (layup_jax/exchange.py; LayUp's is layup_jax/algorithms/layup.py); the replicas and
-every write to them are the `ReplicaStore`'s (layup_jax/replicas.py).
-
-Compute task i: forward stage by stage, each stage reading device i's *current* params when it
-is dispatched (so updates that land mid-forward are used), then the stage VJPs in reverse order,
-handing each stage to updater i as soon as it is dispatched, with the step that drives the
-learning-rate schedule (the run's global step at the iteration's start, or the device's own
-iteration count: `Exchange.schedule_by_own_iteration`). Where the exchange allows it
-(`Exchange.fuses_local_step`: LayUp, GoSGD, the periodic baselines) each stage's local update
-is in the program of its backward, and what is handed over is the updated stage; else
-(AD-PSGD) the gradient, which the updater applies.
-
-Updater task i: per iteration `begin`, `on_stage` as each stage arrives, `end`, then the
-iteration counts as finished. Hooks that wait (a send waits until the sender's own stage is
-computed, layup_jax/outbox.py; AD-PSGD's pairwise average; a periodic boundary) are tasks
-themselves (`layup_jax.scheduler`): they yield what they wait for and never block the thread.
-
-All compute tasks run on one thread (the dispatcher), all updater tasks on another (the
-updater): each thread's scheduler resumes whichever of its tasks can go on, so a device that is
-slow, or whose outputs are not computed yet, holds up only its own tasks. A compute task
-dispatches at most `max_dispatch_ahead` iterations ahead of its device (it reads the losses)
-and of its updater. With `metrics.latency_every`, a latency task per device (on the updater
-thread) records how long each timed stage took from its gradient to its landing.
+Compute task i dispatches device i's forward stage by stage (each stage reading the device's
+current params), the loss and the backwards, each with its stage's local update where the
+exchange allows it (`Exchange.fuses_local_step`), and hands each stage to updater task i as it
+is dispatched. Updater task i runs the algorithm's hooks per iteration (`begin`, `on_stage` per
+stage, `end`; layup_jax/exchange.py), then the iteration counts as finished. A task yields what
+it waits for, so the thread running every device's tasks never blocks on one device: compute
+tasks run on the dispatcher thread, updater (and latency) tasks on the updater thread
+(`layup.updater_thread=False`: on the dispatcher's). A compute task dispatches at most
+`max_dispatch_ahead` iterations ahead of its device and of its updater.
 
 `iterate_serial` runs one whole iteration of one device on the calling thread, blocking on each
-wait: the deterministic mode for exact tests (scripted peers, fixed order). Both modes run the
-same tasks, exchange and store.
+wait: the deterministic mode for exact tests; `grant` and `step` drive the same tasks from a
+test's thread. docs/runtime.md walks through one iteration and the invariants the tests hold.
 """
 
 import collections
@@ -41,7 +26,7 @@ import jax
 import numpy as np
 import optax
 
-from layup_jax import crossprocess, distributed, flops, outbox, transfer
+from layup_jax import distributed, flops, outbox, transfer
 from layup_jax.budget import Budget
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import ConfigError, NonFiniteError
@@ -53,8 +38,10 @@ from layup_jax.replicas import ReplicaStore
 from layup_jax.run_stats import RunStats, StageTimer
 from layup_jax.runtime_state import RuntimeCheckpoint
 from layup_jax.scheduler import Ready, Scheduler, Task, Turns, Until, awaited, drive
-from layup_jax.stages import StagedModel, make_stage_steps, staged_pass
+from layup_jax.stages import StagedModel, staged_pass
 from layup_jax.straggler import IterationClock
+from layup_jax.threads import Threads
+from layup_jax.transport import Transport
 
 PyTree = Any
 _UPDATER_CLOSES = object()  # a handed-over stage whose iteration's checks the updater closes
@@ -68,18 +55,10 @@ class AsyncRuntime:
   """An algorithm's `Exchange` on the given devices: as tasks on two threads, or one iteration
   at a time with `iterate_serial`."""
 
-  def __init__(
-      self,
-      model: StagedModel,
-      tx: optax.GradientTransformation,
-      devices: Sequence[jax.Device],
-      train_batches: Sequence[Iterator[Batch]],
-      init_params: list[PyTree],
-      init_state: list[PyTree],
-      example_batch: Batch,
-      make_exchange: Callable[[Links], Exchange],
-      options: RuntimeOptions,
-  ):
+  def __init__(self, model: StagedModel, tx: optax.GradientTransformation,
+               devices: Sequence[jax.Device], train_batches: Sequence[Iterator[Batch]],
+               init_params: list[PyTree], init_state: list[PyTree], example_batch: Batch,
+               make_exchange: Callable[[Links], Exchange], options: RuntimeOptions):
     self.options = options
     # Across processes, this process runs its own devices only (global positions first ..
     # first + num_devices - 1 of the run's `total_devices`); every index below is a position
@@ -91,40 +70,32 @@ class AsyncRuntime:
     run_devices = list(devices)
     self.run_devices = tuple(run_devices)
     devices = [devices[p] for p in positions]
-    train_batches = [list(train_batches)[p] for p in positions]
+    self.train_batches = [list(train_batches)[p] for p in positions]
     self.num_devices, self.num_stages = len(devices), model.num_stages
-    self._model = model
-    self.train_batches = train_batches
-    self.example_batch = example_batch
+    self._model, self.example_batch = model, example_batch
     self.store = ReplicaStore(model, tx, devices, init_params, init_state, options,
                               lock=threading.Lock, first=self.first,
                               total_devices=self.total_devices)
     self.peers = PeerSampler(self.total_devices, options.seed, options.gossip, self.first,
                              self.num_devices)
-    self._stop = threading.Event()
-    self._remote = None  # a run across processes: sends to and from the others' devices
-    if self.num_devices < self.total_devices:
-      self._remote = crossprocess.RemotePeers(
-          [d.process_index for d in jax.devices()[:self.total_devices]], self.first,
-          self.num_devices, self.store.part_template, self.store.device,
-          lambda j, s, received, amount: self.store.merge(j, s, received, amount, True),
-          lambda j, s: self.store.take(j, s, halve=False)[0], self.store.correct_toward,
-          host=options.transfer_host)
-    self.outboxes = [Outbox(self.store, i, self.peers.choose, options.max_sends_in_flight,
-                            first=self.first, remote=self._remote, stopped=self._stop.is_set)
-                     for i in range(self.num_devices)]
+    self._threads = Threads(on_failure=lambda: self._budget.close())
+    stopped = self._threads.stopped
+    self.transport = Transport(self.store, self.first, self.total_devices,
+                               options.transfer_host, stopped)
+    self.across_processes = self.transport.across_processes
+    self.outboxes = [Outbox(self.store, i, self.transport, self.peers.choose,
+                            options.max_sends_in_flight) for i in range(self.num_devices)]
     self.exchange = make_exchange(Links(self.store, self.outboxes, self.peers, options,
-                                        self._stop.is_set, run_devices, self._remote))
+                                        stopped, run_devices, self.transport))
     self.fuses_local_step = self.exchange.fuses_local_step and options.fuse_local_step
     self.store.defer_merges = self.fuses_local_step
     self.clocks = [IterationClock(options.delay_of(i), options.straggler_mode, device)
                    for i, device in enumerate(devices)]
-    self.across_processes = self._remote is not None
     self.stats = RunStats(
         self.num_devices, self.num_stages, self.store.snapshot, lambda: self.store.weights.values,
         lambda: [r.iteration for r in self.store.replicas],
         gather=distributed.all_gather_pickled if self.across_processes else None,
-        remote_latencies=self._remote.latencies if self.across_processes else None,
+        remote_latencies=self.transport.latencies,
         host_cpu=lambda: sum(s.cpu_s for s in {self.dispatcher, self.updater}))
     self._checks = FiniteChecks(self.num_devices, options.nonfinite, self.stats,
                                 self.num_stages - 1)
@@ -140,7 +111,6 @@ class AsyncRuntime:
     self.dispatcher = Scheduler("dispatcher", turns)
     self.updater = Scheduler("updater", turns) if options.updater_thread else self.dispatcher
     self._budget = Budget(self.num_devices, on_grant=self.dispatcher.wake)
-    self._threads: list[threading.Thread] = []
 
   @property
   def replicas(self):
@@ -331,7 +301,7 @@ class AsyncRuntime:
     """Runs every task that can go on, once, on the calling thread, before any thread of the
     runtime runs them: the deterministic seam for tests (`grant`, then `step` until a
     condition holds). Returns whether any task ran; raises what a task raised."""
-    if self._threads:
+    if self._threads.started:
       raise RuntimeError("step() drives the tasks only while the runtime's threads do not")
     self._spawn_tasks()
     ran = self.dispatcher.step()
@@ -342,46 +312,29 @@ class AsyncRuntime:
 
   def _start_threads(self) -> None:
     self._spawn_tasks()
-    loops = [(f"layup-{s.name}", lambda s=s: s.run(self._stop.is_set))
-             for s in dict.fromkeys((self.dispatcher, self.updater))]
-    if self._remote is not None:  # one receiver per other process, named by that process
-      loops += [(f"layup-receiver-{k}", lambda k=k: self._remote.receive(k, self._stop.is_set))
-                for k in self._remote.other_processes()]
-    for name, loop in loops:
-      thread = threading.Thread(target=self._run_guarded, args=(name, loop), name=name,
-                                daemon=True)
-      self._threads.append(thread)
-      thread.start()
+    stopped = self._threads.stopped
 
-  def _run_guarded(self, name: str, loop: Callable[[], None]) -> None:
-    try:
-      loop()
-    except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
-      self._thread_failure = (name, exc)
-    finally:
-      if self._failure() is not None:
-        self._stop.set()
-        self._budget.close()
+    def run(scheduler: Scheduler) -> None:
+      scheduler.run(stopped)
+      if scheduler.failure is not None:  # stops the other threads too (named by the task)
+        raise scheduler.failure.error
 
-  _thread_failure: tuple[str, BaseException] | None = None
-
-  def _failure(self) -> tuple[str, int | None, BaseException] | None:
-    """The first failure: (what failed, its stage, the error)."""
-    for scheduler in (self.dispatcher, self.updater):
-      if scheduler.failure is not None:
-        role, i = scheduler.failure.name.split(":")
-        stage = self._position.get((role, int(i)))
-        return f"{role} task of device {i}", stage, scheduler.failure.error
-    if self._thread_failure is not None:
-      name, exc = self._thread_failure
-      return f"thread {name}", None, exc
-    return None
+    self._threads.start([(f"layup-{s.name}", lambda s=s: run(s))
+                         for s in dict.fromkeys((self.dispatcher, self.updater))]
+                        + self.transport.loops())  # one receiver per other process
 
   def _raise_if_failed(self) -> None:
-    failure = self._failure()
-    if failure is None:
+    """Raises the first failure, naming its task, device and stage (or its thread)."""
+    failed = [s.failure for s in (self.dispatcher, self.updater) if s.failure is not None]
+    if failed:
+      role, i = failed[0].name.split(":")
+      what, stage, exc = (f"{role} task of device {i}", self._position.get((role, int(i))),
+                          failed[0].error)
+    elif self._threads.failure is not None:
+      name, exc = self._threads.failure
+      what, stage = f"thread {name}", None
+    else:
       return
-    what, stage, exc = failure
     self.close()
     if isinstance(exc, NonFiniteError):
       raise exc
@@ -391,10 +344,10 @@ class AsyncRuntime:
 
   def run_until(self, iterations: int, on_progress: Callable[[int], None],
                 should_stop: Callable[[], bool] = lambda: False) -> None:
-    if self._stop.is_set():
+    if self._threads.stopped():
       self._raise_if_failed()
       raise RuntimeError("the runtime was closed")
-    if not self._threads:
+    if not self._threads.started:
       self._start_threads()
     self._budget.grant(iterations)
     target = iterations
@@ -407,10 +360,10 @@ class AsyncRuntime:
     self._raise_if_failed()
     for i in range(self.num_devices):  # every task is idle: read the last flags
       self._checks.read(i)
-    if self._remote is not None:
+    if self.across_processes:
       # Every process idle and every send to another process merged there: then nothing is
       # in flight anywhere, and the push-sum sums are exact again.
-      self._remote.quiesce(self._stop.is_set)
+      self.transport.quiesce()
       distributed.all_gather_json(None)
       self._raise_if_failed()
     while not self._timer.idle():  # every landing handed over is recorded
@@ -430,18 +383,8 @@ class AsyncRuntime:
     for i, replica in enumerate(self.store.replicas):
       self._checks.applied[i] = replica.iteration
 
-  def remote_sends(self) -> int:
-    """Sends this process made to other processes' devices (0 in one process)."""
-    return self._remote.sends() if self._remote is not None else 0
-
   def flops_per_iteration(self, analyse: Callable = flops.lowered) -> float:
-    """XLA's FLOPs of one device's iteration (stage functions and updates; no gossip), the
-    model's FLOPs: counted without the backward's recomputation (`remat`), as MFU counts them;
-    `analyse` is `flops.lowered` (no compilation) or `flops.compiled`."""
-    steps = make_stage_steps(self._model, packings=self.store.packings,
-                             state_packings=self.store.state_packings)
-    return flops.staged_flops(*flops.replica_calls(self._model, self.store, self.example_batch,
-                                                   steps), analyse=analyse)
+    return flops.replica_flops(self._model, self.store, self.example_batch, analyse)
 
   def temp_bytes(self) -> int:
     """The largest scratch memory XLA allocates for one of this runtime's functions (a merge
@@ -450,12 +393,8 @@ class AsyncRuntime:
                                                         self.example_batch))
 
   def close(self) -> None:
-    self._stop.set()
+    self._threads.stop()
     self._budget.close()
     self.dispatcher.wake()
     self.updater.wake()
-    for thread in self._threads:
-      thread.join(timeout=10.0)
-    alive = [t.name for t in self._threads if t.is_alive()]
-    if alive:
-      raise RuntimeError(f"threads did not stop: {alive}")
+    self._threads.join()

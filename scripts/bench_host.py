@@ -3,7 +3,7 @@
 On a GPU a device-iteration of LayUp costs the host what it takes to dispatch it: the stage
 programs, the updates, the copies to peers and the merges, from the runtime's dispatcher and
 updater threads (layup_jax/runtime.py; `--updater-thread off` runs the updater's tasks on the
-dispatcher's thread). Here the paper's model
+dispatcher's thread; `--granularity per_layer` the models' finer stages). Here the paper's model
 *structures* (their stage counts and the kinds of stage) are shrunk until the device's own work
 is negligible (widths 2, batch 2, 8x8 images or 4 tokens; the `fused_step_ms` column is one
 device's whole jitted training step on the same model, an upper bound on its device time), so
@@ -71,18 +71,22 @@ ALGORITHMS = ("layup", "gosgd", "adpsgd", "local_sgd")
 SERIAL = ("layup", "gosgd")  # also timed with every iteration dispatched from one thread
 
 
-def shrunk_model(case: str) -> tuple[stages.StagedModel, str]:
-  """The case's stage structure at negligible size, and its input kind."""
+def shrunk_model(case: str, granularity: str = "per_block") -> tuple[stages.StagedModel, str]:
+  """The case's stage structure at negligible size, and its input kind; `granularity` is
+  `model.granularity` (per_layer: every convolution, or each half of a transformer block, a
+  stage of its own)."""
   if case == "resnet18-cifar":
-    return stages.StagedModel(resnet.resnet((2, 2, 2, 2), (2, 2, 2, 2), 10)), "image"
+    return stages.StagedModel(resnet.resnet((2, 2, 2, 2), (2, 2, 2, 2), 10,
+                                            granularity=granularity)), "image"
   if case == "resnet50-cifar":
-    return stages.StagedModel(resnet.resnet((3, 4, 6, 3), (2, 2, 2, 2), 10,
-                                            bottleneck=True)), "image"
+    return stages.StagedModel(resnet.resnet((3, 4, 6, 3), (2, 2, 2, 2), 10, bottleneck=True,
+                                            granularity=granularity)), "image"
   if case == "digits":  # configs/digits.py's structure: widths (16, 32), one block each
-    return stages.StagedModel(resnet.small_resnet((2, 2), 1, 10)), "image"
+    return stages.StagedModel(resnet.small_resnet((2, 2), 1, 10, granularity)), "image"
   if case == "gpt2-124m":  # 12 blocks between the embedding and the tied head: 14 stages
     gpt2.SIZES["bench-124m-shape"] = gpt2.GPT2Size(num_layers=12, embed_dim=8, num_heads=2)
-    return gpt2.gpt2("bench-124m-shape", vocab_size=16, max_len=4), "tokens"
+    return gpt2.gpt2("bench-124m-shape", vocab_size=16, max_len=4,
+                     granularity=granularity), "tokens"
   raise ValueError(case)
 
 
@@ -203,8 +207,9 @@ def thread_cpu_s(runtime) -> float | None:
 
 
 def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
-          per_group: int = 1, fuse: bool = True, updater_thread: bool = True) -> dict:
-  model, kind = shrunk_model(case)
+          per_group: int = 1, fuse: bool = True, updater_thread: bool = True,
+          granularity: str = "per_block") -> dict:
+  model, kind = shrunk_model(case, granularity)
   if per_group > 1:
     model = stages.group_stages(model, per_group)
   devices = jax.devices()[:num_devices]
@@ -239,7 +244,8 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
   ceiling = 1e3 / (host_ms * num_devices)
   return {
       "case": case, "algorithm": algorithm, "num_stages": model.num_stages,
-      "stages_per_group": per_group, "fuse_local_step": fuse, "updater_thread": updater_thread,
+      "stages_per_group": per_group, "granularity": granularity, "fuse_local_step": fuse,
+      "updater_thread": updater_thread,
       "num_devices": num_devices, "steps_per_block": steps, "repeats": repeats,
       "host_ms_per_iteration": host_ms,
       "host_ms_all": [1e3 * w / per_block for w in walls],
@@ -271,17 +277,21 @@ def main() -> None:
                       help="layup.fuse_local_step values to run, one row each (adjacent)")
   parser.add_argument("--updater-thread", nargs="+", default=["on"], choices=["on", "off"],
                       help="layup.updater_thread values to run, one row each (adjacent)")
+  parser.add_argument("--granularity", nargs="+", default=["per_block"],
+                      choices=["per_block", "per_layer"],
+                      help="model.granularity values to run, one row each (adjacent)")
   parser.add_argument("--out", default="bench_host.json")
   args = parser.parse_args()
 
   rows = []
   fused = {}
   for case in args.cases:
-    fused[case] = fused_step_ms(shrunk_model(case)[0], shrunk_model(case)[1])
-    for algorithm, per_group, fuse, thread in itertools.product(
-        args.algorithms, args.stages_per_group, args.fuse_local_step, args.updater_thread):
+    fused[case] = fused_step_ms(*shrunk_model(case))
+    for algorithm, per_group, fuse, thread, granularity in itertools.product(
+        args.algorithms, args.stages_per_group, args.fuse_local_step, args.updater_thread,
+        args.granularity):
       row = bench(case, algorithm, args.num_devices, args.steps, args.repeats, per_group,
-                  fuse == "on", thread == "on")
+                  fuse == "on", thread == "on", granularity)
       row["fused_step_ms"] = fused[case]
       rows.append(row)
       print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)

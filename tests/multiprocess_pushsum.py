@@ -26,12 +26,12 @@ def main() -> None:
   import optax
 
   from layup_jax import pushsum
-  from layup_jax.algorithms.gossip import EXCHANGES
+  from layup_jax.algorithms.gossip import ADPSGD, GoSGD
   from layup_jax.algorithms.layup import LayUp
   from tests.helpers import make_layup_runtime
 
   runtime = make_layup_runtime(8, learning_rate=0.0,
-                               exchange={"layup": LayUp, **EXCHANGES}[algorithm])
+                               exchange={"layup": LayUp, "gosgd": GoSGD, "adpsgd": ADPSGD}[algorithm])
   arrays, meta = runtime.checkpoint.state_dict()
   for i, replica in enumerate(arrays["replicas"]):  # i: this process's; rng: the run's position
     rng = np.random.default_rng(100 + runtime.first + i)
@@ -64,7 +64,7 @@ def distributed_sends(runtime) -> list[int]:
   """Every process's count of sends to other processes."""
   from layup_jax import distributed
 
-  return distributed.all_gather_json(runtime.remote_sends())
+  return distributed.all_gather_json(runtime.transport.remote_sends())
 
 
 if __name__ == "__main__":

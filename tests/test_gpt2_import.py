@@ -102,5 +102,5 @@ def test_a_missing_checkpoint_and_a_wrong_size_say_so(tmp_path):
 
   shallow = tiny_config(tmp_path)
   model = models.make_model(shallow)
-  prefixes = gpt2_import._stage_prefixes(model.num_stages, per_layer=False)
+  prefixes = gpt2_import.stage_prefixes(model.num_stages, per_layer=False)
   assert prefixes == ["", "h.0.", "h.1.", ""]

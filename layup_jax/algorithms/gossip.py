@@ -60,11 +60,8 @@ class ADPSGD(Hooks):
     return self.peers.pick(i)
 
   def on_stage(self, i: int, peer: int | None, s: int, grads, step: jax.Array):
-    remote = self.links.remote
-    if peer is not None and remote is not None and remote.is_remote(peer):
-      remote.average(i, peer, s, self.links.stopped)  # the peer's process corrects its side
-    elif peer is not None:
-      yield from self.store.average_pair(i, peer - self.peers.first, s)
+    if peer is not None:
+      yield from self.links.transport.average(i, peer, s)  # a task: waits for both models
     local_update(self.store, i, s, grads, step)
 
   def compile(self) -> None:

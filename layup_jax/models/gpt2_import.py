@@ -20,7 +20,7 @@ _RENAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias"
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "lm_head.weight")
 
 
-def _stage_prefixes(num_stages: int, per_layer: bool) -> list[str]:
+def stage_prefixes(num_stages: int, per_layer: bool) -> list[str]:
   """The checkpoint prefix of each stage: '' for embedding and head, 'h.N.' for layer N."""
   blocks = num_stages - 2
   layer = (lambda s: (s - 1) // 2) if per_layer else (lambda s: s - 1)
@@ -49,7 +49,7 @@ def load_gpt2_params(model: StagedModel, example_tokens: np.ndarray, directory,
   """Per-stage params of `model` filled from the checkpoint in `directory`."""
   tensors = read_checkpoint(directory)
   abstract, _ = jax.eval_shape(lambda: model.init(jax.random.key(0), example_tokens))
-  prefixes = _stage_prefixes(model.num_stages, per_layer)
+  prefixes = stage_prefixes(model.num_stages, per_layer)
   used, params = set(), []
   for prefix, stage in zip(prefixes, abstract):
     def fill(path, leaf, prefix=prefix):

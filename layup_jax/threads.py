@@ -1,0 +1,55 @@
+"""The runtime's threads: the only place training threads are started.
+
+Each thread runs one loop (a scheduler's, or a receiver's from another process) until the
+run stops; the first exception of any loop stops them all and is kept for the caller to raise
+(`failure`). `stopped()` is what every loop and wait polls.
+"""
+
+import threading
+from collections.abc import Callable
+
+
+class Threads:
+  """Loops on daemon threads, a shared stop flag, and the first loop that failed."""
+
+  def __init__(self, on_failure: Callable[[], None] = lambda: None):
+    """`on_failure()` runs (on the failing thread) once a loop has raised: it wakes whatever
+    waits for the loops, which then find `failure` set."""
+    self._stop = threading.Event()
+    self._threads: list[threading.Thread] = []
+    self._on_failure = on_failure
+    self.failure: tuple[str, BaseException] | None = None  # (thread name, error)
+
+  @property
+  def started(self) -> bool:
+    return bool(self._threads)
+
+  def stopped(self) -> bool:
+    return self._stop.is_set()
+
+  def start(self, loops: list[tuple[str, Callable[[], None]]]) -> None:
+    for name, loop in loops:
+      thread = threading.Thread(target=self._run, args=(name, loop), name=name, daemon=True)
+      self._threads.append(thread)
+      thread.start()
+
+  def _run(self, name: str, loop: Callable[[], None]) -> None:
+    try:
+      loop()
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the caller (`failure`)
+      if self.failure is None:
+        self.failure = (name, exc)
+      self._stop.set()
+      self._on_failure()
+
+  def stop(self) -> None:
+    """Asks every loop to stop (they poll `stopped`)."""
+    self._stop.set()
+
+  def join(self, timeout_s: float = 10.0) -> None:
+    """Waits for every thread; raises if one did not stop."""
+    for thread in self._threads:
+      thread.join(timeout=timeout_s)
+    alive = [t.name for t in self._threads if t.is_alive()]
+    if alive:
+      raise RuntimeError(f"threads did not stop: {alive}")
