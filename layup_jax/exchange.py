@@ -127,10 +127,10 @@ class Exchange(Protocol):
   Traits (class attributes, `Hooks` has the defaults):
 
   `fuses_local_step`: the runtime applies each stage's local step itself, in the program of
-  the stage's backward (`ReplicaStore.backward_step`), and `on_stage` gets `grads=None`: the
-  stage's params are then already updated (`local_update` says which). An algorithm whose step
-  must wait for something else (AD-PSGD averages first) leaves it False and applies the
-  gradient in `on_stage`.
+  the stage's backward (`DeviceStages.backward`, layup_jax/replicas.py), and `on_stage` gets
+  `grads=None`: the stage's params are then already updated (`local_update` says which). An
+  algorithm whose step must wait for something else (AD-PSGD averages first) leaves it False
+  and applies the gradient in `on_stage`.
 
   `schedule_by_own_iteration`: the learning-rate schedule's step of an iteration is the
   device's own iteration count (the periodic baselines: every device takes the same local
@@ -201,7 +201,8 @@ def local_update(store: ReplicaStore, i: int, s: int, grads: PyTree | None,
                  step: jax.Array) -> PyTree:
   """Device i's local update of stage s, x^{i,s} <- x~^{i,s} - eta grad (Algorithm 1): applied
   here from `grads`, or, where the runtime fuses it (`grads` None), already applied by the
-  stage's backward program (`ReplicaStore.backward_step`). Returns the updated stage."""
+  stage's backward program (`DeviceStages.backward`, layup_jax/replicas.py). Returns the
+  updated stage."""
   if grads is None:
     return store.params(i, s)
   return store.local_step(i, s, grads, step)

@@ -124,7 +124,7 @@ class AsyncRuntime:
     (nothing waits); `emit(stage, grads, step, closed)` as each gradient appears (with fused
     local steps: the updated params, and with stage 0 the iteration's closed finiteness check;
     else `_UPDATER_CLOSES`). Returns the loss and stage 0's output."""
-    store, replica = self.store, self.store.replicas[i]
+    store, replica, fused = self.store, self.store.replicas[i], self.fuses_local_step
     batch = next(self.train_batches[i])
     step = (replica.iteration if self.exchange.schedule_by_own_iteration
             else index // self.num_devices)
@@ -133,15 +133,15 @@ class AsyncRuntime:
         replica.device)
     replica.iteration += 1
 
-    def at_stage(stage_idx: int) -> None:
-      self._position["compute", i] = stage_idx
+    def at_stage(s: int) -> None:  # names the stage if a program of it fails
+      self._position["compute", i] = s
 
     def emit_stage(s: int, out: PyTree) -> None:
-      closed = store.close_checks(i) if self.fuses_local_step and s == 0 else _UPDATER_CLOSES
+      closed = store.close_checks(i) if fused and s == 0 else _UPDATER_CLOSES
       emit(s, out, step, closed)
 
-    return staged_pass(self._model, store.steps, store.device_stages(i, step, self.fuses_local_step), x,
-                       labels, replica.stage_keys, iteration, emit_stage, on_stage=at_stage)
+    return staged_pass(self._model, store.steps, store.device_stages(i, step, fused),
+                       x, labels, replica.stage_keys, iteration, emit_stage, on_stage=at_stage)
 
   def _apply_iteration(self, i: int) -> Task:
     """Updater i's part of one iteration: the exchange's begin, on_stage per stage handed over

@@ -149,7 +149,8 @@ class RuntimeCheckpoint:
     if saved == self.rt.num_devices:
       self.rt.peers.set_state(meta["peer_rngs"])
     else:
-      self.rt.peers.set_state(meta["peer_rngs"][:self.rt.num_devices] + self.rt.peers.get_state()[saved:])
+      self.rt.peers.set_state(meta["peer_rngs"][:self.rt.num_devices]
+                              + self.rt.peers.get_state()[saved:])
     self.extra.load_state_dict(arrays, meta["exchange"], saved)
     self.rt.restored(meta["iterations_done"] // saved * self.rt.num_devices)
 

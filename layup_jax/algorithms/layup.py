@@ -47,9 +47,9 @@ class LayUp(Hooks):
   program that reads the stage (layup_jax/replicas.py)."""
 
   # The local update runs in the program of the stage's backward, as its gradient is computed
-  # (`ReplicaStore.backward_step`), under the same atomic write a merge takes: `on_stage` then
-  # finds it applied (`local_update` with grads None). `layup.fuse_local_step=False` applies it
-  # here instead, from the gradient.
+  # (`DeviceStages.backward`, layup_jax/replicas.py), under the same atomic write a merge
+  # takes: `on_stage` then finds it applied (`local_update` with grads None).
+  # `layup.fuse_local_step=False` applies it here instead, from the gradient.
   fuses_local_step = True
 
   def begin(self, i: int) -> Iteration:
