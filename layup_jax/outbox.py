@@ -98,7 +98,8 @@ class Outbox:
     merged = Future() if self.watch else None
     self._pending.append((peer, s, part, halved if amount is None else amount, amount is None,
                           merged))
-    self._send_ready()
+    while self._pending and _is_ready(self._pending[0][2]) and self._room():
+      self._send(*self._pending.popleft())
     return merged
 
   def flush(self) -> Task:
@@ -108,18 +109,7 @@ class Outbox:
       yield Ready(self._pending[0][2])  # computed on our device: the peer never waits on it
       while not self._room():  # bounds what peers hold of ours
         yield Ready(self._in_flight[0])
-      self._send_ready()
-
-  def _send_ready(self) -> None:
-    """Sends the posted stages that are computed, in order, as far as there is room: together,
-    in one copy (`Transport.send_many`)."""
-    ready = []
-    self._room()  # forgets the merges that have landed
-    while (self._pending and _is_ready(self._pending[0][2])
-           and len(self._in_flight) + len(ready) < self.max_in_flight):
-      ready.append(self._pending.popleft())
-    if ready:
-      self._send(ready)
+      self._send(*self._pending.popleft())
 
   def _room(self) -> bool:
     """Whether fewer than `max_in_flight` of our merges are uncomputed on peers."""
@@ -127,22 +117,23 @@ class Outbox:
       self._in_flight.popleft()
     return len(self._in_flight) < self.max_in_flight
 
-  def _send(self, sends: list[tuple]) -> None:
-    """Sends computed parts (with room under the bound): (peer, stage, part, amount, whether
-    the merge adds it, future or None) each."""
-    self.sent += len(sends)
-    routed = []
-    for peer, s, part, amount, add_weight, _ in sends:
-      j = self._transport.local(peer)
-      if j is not None and self.reroute_congested and add_weight:
-        peer += self._uncongested(j) - j
-      routed.append((peer, s, part, amount, add_weight))
-    for landed, (*_, watched) in zip(self._transport.send_many(routed), sends):
-      if landed is not None and self.max_in_flight < math.inf:
-        self._in_flight.append(_landed(landed))
-        self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
-      if watched is not None:  # None: timed on the receiving process (`remote_send_latency_ms`)
-        watched.set_result(landed)
+  def _send(self, peer: int, s: int, part: PyTree, amount: float, add_weight: bool,
+            watched: Future | None) -> None:
+    """Sends a computed `part` (and room under the bound)."""
+    self.sent += 1
+    j = self._transport.local(peer)
+    if j is not None and self.reroute_congested and add_weight:
+      peer += self._uncongested(j) - j
+    landed = self._transport.send(peer, s, part, amount, add_weight)
+    if landed is None:  # timed on the receiving process (`remote_send_latency_ms`)
+      if watched is not None:
+        watched.set_result(None)
+      return
+    if self.max_in_flight < math.inf:
+      self._in_flight.append(_landed(landed))
+      self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
+    if watched is not None:
+      watched.set_result(landed)
 
   def _uncongested(self, peer: int) -> int:
     """`peer`, or a random peer with fewer than `CONGESTED_AT` merges pending if it has as

@@ -1,6 +1,6 @@
 """Where a stage sent to peer j goes: one interface for a peer in this process or another.
 
-A send of computed stages (`send_many`) or AD-PSGD's pairwise average (`average`) to a device of
+A send of a computed stage (`send`) or AD-PSGD's pairwise average (`average`) to a device of
 this process is a copy to its device and an atomic write of the replica store; to a device of
 another process it goes through that process (layup_jax/crossprocess.py), which merges it or
 answers with its half. The outboxes and the algorithms call this interface only; the runtime
@@ -44,24 +44,17 @@ class Transport:
     j = peer - self._first
     return j if 0 <= j < self._store.num_devices else None
 
-  def send_many(self, sends: list[tuple[int, int, PyTree, float, bool]]) -> list[PyTree | None]:
-    """Mixes each computed `part` into its `peer`'s stage s with push-sum `amount` (added to
-    the peer's weight if `add_weight`), for each (peer, s, part, amount, add_weight) in order;
-    the copies to this process's devices are made in one call (`transfer.to_devices`). Returns,
-    per send, what marks its merge as landed, or None for a send to another process (timed
-    there)."""
-    local = [(n, j) for n, (peer, *_) in enumerate(sends)
-             if (j := self.local(peer)) is not None]
-    received = transfer.to_devices([sends[n][2] for n, _ in local],
-                                   [self._store.device(j) for _, j in local])
-    landed: list[PyTree | None] = [None] * len(sends)
-    for (n, j), part in zip(local, received):
-      _, s, _, amount, add_weight = sends[n]
-      landed[n] = self._store.merge(j, s, part, amount, add_weight)
-    for n, (peer, s, part, amount, _) in enumerate(sends):
-      if self.local(peer) is None:
-        self._remote.send(peer, s, part, amount, self._stopped)
-    return landed
+  def send(self, peer: int, s: int, part: PyTree, amount: float,
+           add_weight: bool) -> PyTree | None:
+    """Mixes the computed `part` into `peer`'s stage s with push-sum `amount` (added to its
+    weight if `add_weight`). Returns what marks the merge as landed, or None when it is timed
+    on the receiving process."""
+    j = self.local(peer)
+    if j is None:
+      self._remote.send(peer, s, part, amount, self._stopped)
+      return None
+    received = transfer.to_device(part, self._store.device(j))
+    return self._store.merge(j, s, received, amount, add_weight)
 
   def average(self, i: int, peer: int, s: int) -> Task:
     """AD-PSGD's pairwise average of stage s between this process's device i and `peer` (a

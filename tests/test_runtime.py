@@ -558,22 +558,6 @@ def test_a_stage_sent_to_a_peer_arrives_as_an_exact_copy_on_that_device():
     chex.assert_trees_all_equal(jax.device_get(copied), jax.device_get(tree))
 
 
-def test_the_sends_ready_together_arrive_each_on_its_own_peer_in_one_copy():
-  # Three stages of device 0 for three peers, copied by one call: each an exact copy on its
-  # peer's device, as jax.device_put would place it, the source untouched.
-  devices = jax.devices()
-  trees = [(jax.device_put(np.arange(5, dtype=np.float32) + k, devices[0]),
-            jax.device_put(np.full((2, 3), k, jnp.bfloat16), devices[0])) for k in range(3)]
-  targets = [devices[3], devices[1], devices[3]]
-  copies = transfer.to_devices(trees, targets)
-  for tree, target, copied in zip(trees, targets, copies):
-    want = jax.device_put(tree, target)
-    assert [leaf.devices() for leaf in copied] == [leaf.devices() for leaf in want]
-    assert [leaf.dtype for leaf in copied] == [np.float32, jnp.bfloat16]
-    chex.assert_trees_all_equal(jax.device_get(copied), jax.device_get(tree))
-  assert all(leaf.devices() == {devices[0]} for tree in trees for leaf in tree)
-
-
 @pytest.mark.parametrize("periodic", [False, True], ids=["layup", "local_sgd"])
 def test_run_until_returns_with_every_iterations_loss_recorded(periodic):
   # A consistent point includes the compute threads' bookkeeping: with two iterations
