@@ -198,14 +198,6 @@ class Counter:
     return restore
 
 
-def thread_cpu_s(runtime) -> float | None:
-  """CPU time of the runtime's dispatcher and updater threads so far (None: a runtime without
-  them)."""
-  schedulers = {id(s): s for s in (getattr(runtime, "dispatcher", None),
-                                   getattr(runtime, "updater", None)) if s is not None}
-  return sum(s.cpu_s for s in schedulers.values()) if schedulers else None
-
-
 def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
           per_group: int = 1, fuse: bool = True, updater_thread: bool = True,
           granularity: str = "per_block") -> dict:
@@ -229,12 +221,12 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
   walls, cpus, threads = [], [], []
   for _ in range(repeats):
     target = runtime.iterations_done() + per_block
-    wall, cpu, thread = time.perf_counter(), time.process_time(), thread_cpu_s(runtime)
+    wall, cpu, thread = time.perf_counter(), time.process_time(), runtime.stats.host_cpu_s()
     runtime.run_until(target, lambda done: None)
     walls.append(time.perf_counter() - wall)
     cpus.append(time.process_time() - cpu)
     if thread is not None:
-      threads.append(thread_cpu_s(runtime) - thread)
+      threads.append(runtime.stats.host_cpu_s() - thread)
   counter = Counter()
   restore = counter.install(runtime)
   runtime.run_until(runtime.iterations_done() + per_block, lambda done: None)

@@ -8,13 +8,14 @@ branching on the name elsewhere.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import ml_collections
 import optax
 
 from layup_jax.algorithms import ddp, gossip, layup, periodic
-from layup_jax.algorithms.base import Runtime
+from layup_jax.algorithms.base import Runtime, asynchronous_runtime
 from layup_jax.snapshot import Snapshot
 
 
@@ -52,10 +53,14 @@ def build_runtime(config: ml_collections.ConfigDict, model, tx, devices, dataset
   return _REGISTRY[config.algorithm].build(config, model, tx, devices, dataset)
 
 
-register("layup", layup.build, gossip=True)
+def _on_asynchronous_runtime(exchange: type) -> Callable[..., Runtime]:
+  return functools.partial(asynchronous_runtime, make_exchange=exchange)
+
+
+register("layup", _on_asynchronous_runtime(layup.LayUp), gossip=True)
 register("ddp", ddp.build)
-register("gosgd", gossip.builder(gossip.GoSGD), gossip=True)
-register("adpsgd", gossip.builder(gossip.ADPSGD), gossip=True)
+register("gosgd", _on_asynchronous_runtime(gossip.GoSGD), gossip=True)
+register("adpsgd", _on_asynchronous_runtime(gossip.ADPSGD), gossip=True)
 register("local_sgd", periodic.builder(lambda b: None))
 register("slowmo", periodic.builder(lambda b: periodic.SlowMo(b.slow_lr, b.slow_momentum)))
 register("co2", periodic.builder(

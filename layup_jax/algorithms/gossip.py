@@ -15,17 +15,10 @@ atomic pairwise step of the replica store (`ReplicaStore.average_pair`): the sum
 is kept whatever local steps land meanwhile.
 """
 
-from collections.abc import Callable, Sequence
 
 import jax
-import ml_collections
-import optax
 
-from layup_jax.algorithms.base import asynchronous_runtime
-from layup_jax.data import Dataset, TrainStreams
 from layup_jax.exchange import Hooks, local_update
-from layup_jax.runtime import AsyncRuntime
-from layup_jax.stages import StagedModel
 
 
 class GoSGD(Hooks):
@@ -67,11 +60,3 @@ class ADPSGD(Hooks):
   def compile(self) -> None:
     jax.block_until_ready(self.store.compile_pair_average())
 
-
-def builder(exchange: type) -> Callable[..., AsyncRuntime]:
-  """The `build` of a gossip algorithm whose `Exchange` is `exchange` (the registry's entry)."""
-  def build(config: ml_collections.ConfigDict, model: StagedModel,
-            tx: optax.GradientTransformation, devices: Sequence[jax.Device],
-            dataset: Dataset | TrainStreams) -> AsyncRuntime:
-    return asynchronous_runtime(config, model, tx, devices, dataset, exchange)
-  return build

@@ -21,17 +21,10 @@ per_stage removes it at no cost (a float per stage).
 """
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
-import ml_collections
-import optax
 
-from layup_jax.algorithms.base import asynchronous_runtime
-from layup_jax.data import Dataset, TrainStreams
 from layup_jax.exchange import Hooks, local_update
-from layup_jax.runtime import AsyncRuntime
-from layup_jax.stages import StagedModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +66,3 @@ class LayUp(Hooks):
     if it.model_weight:
       self.store.add_model_weight(it.peer, it.model_weight)  # w_j <- w_j + w_i
 
-
-def build(config: ml_collections.ConfigDict, model: StagedModel,
-          tx: optax.GradientTransformation, devices: Sequence[jax.Device],
-          dataset: Dataset | TrainStreams) -> AsyncRuntime:
-  return asynchronous_runtime(config, model, tx, devices, dataset, LayUp)

@@ -189,10 +189,6 @@ class PeriodSync:
       self.done = period
       return True
 
-  def arrived(self) -> dict[int, int]:
-    with self._lock:
-      return dict(self._arrived)
-
   def restore(self, done: int, arrived: dict[int, int]) -> None:
     """Continues a checkpointed run: `done` periods complete, `arrived[p]` devices at p."""
     with self._lock:
