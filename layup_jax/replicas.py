@@ -50,7 +50,7 @@ from layup_jax.options import RuntimeOptions
 from layup_jax.packing import StagePacking
 from layup_jax.scheduler import Ready, Task
 from layup_jax.snapshot import Snapshot
-from layup_jax.stages import StagedModel, make_stage_steps, stage_key
+from layup_jax.stages import StagedModel, backward_grads, make_stage_steps, stage_key
 
 PyTree = Any
 
@@ -547,10 +547,7 @@ class DeviceStages:
   def backward(self, s, vjp, x, dy, tied_grad):
     store, i, replica, steps = self.store, self.i, self.replica, self.steps
     if not self.fused:
-      grads, dx = steps.backward[s](vjp, (replica.params[s], x), dy)
-      if tied_grad is not None:
-        grads = steps.add_tied[s](grads, tied_grad)
-      return grads, dx
+      return backward_grads(steps, s, vjp, replica.params[s], x, dy, tied_grad)
     order, so_far = store._open_checks[i]
     mixing = store._inbox[i][s] is not None  # one arriving now waits for the next program
     with store._stage_locks(i, s, params=True, state=mixing and store._merge_state[s]):
@@ -613,10 +610,7 @@ class CompileStages:
   def backward(self, s, vjp, x, dy, tied_grad):
     params = self.replica.params[s]
     if not self.fused:
-      grads, dx = self.steps.backward[s](vjp, (params, x), dy)
-      if tied_grad is not None:
-        grads = self.steps.add_tied[s](grads, tied_grad)
-      return grads, dx
+      return backward_grads(self.steps, s, vjp, params, x, dy, tied_grad)
     args = lambda: (vjp, (params, x), dy, _copy(self.replica.opt_state[s]), self.step,
                     self.no_check, tied_grad)
     if self.mixes:

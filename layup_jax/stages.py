@@ -494,10 +494,16 @@ class FixedStages:
     return value, grads, dx
 
   def backward(self, s, vjp, x, dy, tied_grad):
-    grads, dx = self.steps.backward[s](vjp, (self.params[s], x), dy)
-    if tied_grad is not None:
-      grads = self.steps.add_tied[s](grads, tied_grad)
-    return grads, dx
+    return backward_grads(self.steps, s, vjp, self.params[s], x, dy, tied_grad)
+
+
+def backward_grads(steps: StageSteps, s: int, vjp, params: PyTree, x, dy, tied_grad):
+  """Stage s's backward without an update: (its gradient, with a tied parameter's gradient
+  from another stage added, and the gradient of its input)."""
+  grads, dx = steps.backward[s](vjp, (params, x), dy)
+  if tied_grad is not None:
+    grads = steps.add_tied[s](grads, tied_grad)
+  return grads, dx
 
 
 def staged_value_and_grad(model: StagedModel, steps: StageSteps, params, state, x, labels, key,
