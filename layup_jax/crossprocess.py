@@ -1,7 +1,7 @@
 """Gossip with devices of other processes: the arrays through `jax.experimental.transfer`, the
 notices and acknowledgements through the coordination service's key-value store.
 
-A send to a device of another process (an outbox's send, layup_jax/outbox.py) offers the
+A send to a device of another process (an outbox's send, layup_jax/transport.py) offers the
 computed stage to this process's transfer server under a fresh uuid (`await_pull`) and then
 writes a notice `(uuid, peer, stage, push-sum amount)` under `layup_jax/gossip/<to>/<from>/<b>/<n>`,
 n counting the notices from this process to that one (b = its batch of 64). The peer's process

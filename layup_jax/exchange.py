@@ -23,9 +23,8 @@ import jax
 import numpy as np
 
 from layup_jax.options import RuntimeOptions
-from layup_jax.outbox import Outbox
 from layup_jax.replicas import ReplicaStore
-from layup_jax.transport import Transport
+from layup_jax.transport import Outbox, Transport
 
 PyTree = Any
 
@@ -128,9 +127,9 @@ class Exchange(Protocol):
 
   `fuses_local_step`: the runtime applies each stage's local step itself, in the program of
   the stage's backward (`DeviceStages.backward`, layup_jax/replicas.py), and `on_stage` gets
-  `grads=None`: the stage's params are then already updated (`local_update` says which). An
-  algorithm whose step must wait for something else (AD-PSGD averages first) leaves it False
-  and applies the gradient in `on_stage`.
+  `grads=None`: the stage's params are then already updated (`ReplicaStore.local_step` returns
+  them). An algorithm whose step must wait for something else (AD-PSGD averages first) leaves
+  it False and applies the gradient in `on_stage`.
 
   `schedule_by_own_iteration`: the learning-rate schedule's step of an iteration is the
   device's own iteration count (the periodic baselines: every device takes the same local
@@ -184,7 +183,7 @@ class Hooks:
 
   def on_stage(self, i: int, context: Any, s: int, grads: PyTree | None,
                step: jax.Array) -> PyTree | None:
-    local_update(self.store, i, s, grads, step)
+    self.store.local_step(i, s, grads, step)
     return None
 
   def end(self, i: int, context: Any) -> Any:
@@ -196,13 +195,3 @@ class Hooks:
   def compile(self) -> None:
     pass
 
-
-def local_update(store: ReplicaStore, i: int, s: int, grads: PyTree | None,
-                 step: jax.Array) -> PyTree:
-  """Device i's local update of stage s, x^{i,s} <- x~^{i,s} - eta grad (Algorithm 1): applied
-  here from `grads`, or, where the runtime fuses it (`grads` None), already applied by the
-  stage's backward program (`DeviceStages.backward`, layup_jax/replicas.py). Returns the
-  updated stage."""
-  if grads is None:
-    return store.params(i, s)
-  return store.local_step(i, s, grads, step)

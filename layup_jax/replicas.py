@@ -225,11 +225,15 @@ class ReplicaStore:
 
   # --- writes ----------------------------------------------------------------------------------
 
-  def local_step(self, i: int, s: int, grads: PyTree, step: jax.Array) -> PyTree:
+  def local_step(self, i: int, s: int, grads: PyTree | None, step: jax.Array) -> PyTree:
     """Paper Algorithm 1, local update: `x_{i,s} <- x_{i,s} - eta grad`, applied to the newest
-    x_{i,s} (whatever peers merged into it since the gradient's forward). Returns the new
-    params; their gradient's finiteness is read later (`close_checks`)."""
+    x_{i,s} (whatever peers merged into it since the gradient's forward). `grads` None: the
+    runtime fused it into the stage's backward program (`DeviceStages.backward`, under the
+    same atomic write), so it is already applied. Returns the new params; their gradient's
+    finiteness is read later (`close_checks`)."""
     replica = self.replicas[i]
+    if grads is None:
+      return replica.params[s]
     order, so_far = self._open_checks[i]
     with self._locks[i][s]:
       replica.params[s], replica.opt_state[s], so_far = self.update(

@@ -26,14 +26,13 @@ import jax
 import numpy as np
 import optax
 
-from layup_jax import distributed, flops, outbox, transfer
+from layup_jax import distributed, flops, transfer, transport
 from layup_jax.budget import Budget
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import ConfigError, NonFiniteError
 from layup_jax.exchange import Exchange, Links, PeerSampler
 from layup_jax.finite_checks import FiniteChecks
 from layup_jax.options import RuntimeOptions
-from layup_jax.outbox import Outbox
 from layup_jax.replicas import ReplicaStore
 from layup_jax.run_stats import RunStats, StageTimer
 from layup_jax.runtime_state import RuntimeCheckpoint
@@ -41,7 +40,7 @@ from layup_jax.scheduler import Ready, Scheduler, Task, Turns, Until, awaited, d
 from layup_jax.stages import StagedModel, staged_pass
 from layup_jax.straggler import IterationClock
 from layup_jax.threads import Threads
-from layup_jax.transport import Transport
+from layup_jax.transport import Outbox, Transport
 
 PyTree = Any
 _UPDATER_CLOSES = object()  # a handed-over stage whose iteration's checks the updater closes
@@ -216,7 +215,7 @@ class AsyncRuntime:
                   iteration, grads.__setitem__)
       outputs += self.store.compile_writes(i, iteration, None if self.fuses_local_step else grads)
     if self.options.max_sends_in_flight:
-      outputs += outbox.compile_landed(self.store)
+      outputs += transport.compile_landed(self.store)
     jax.block_until_ready(outputs)
     # Every process here before the first collective: gloo forms its context on the first
     # all-reduce and gives up after 30 s, less than a loaded host's compilation may differ by.

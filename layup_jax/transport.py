@@ -1,21 +1,52 @@
-"""Where a stage sent to peer j goes: one interface for a peer in this process or another.
+"""How a stage gets from device i to peer j (paper Algorithm 1: `send(x^{i,l}, j)`, peer update):
+each device's `Outbox` of posted sends, and one `Transport` for a peer in this process or another.
 
-A send of a computed stage (`send`) or AD-PSGD's pairwise average (`average`) to a device of
-this process is a copy to its device and an atomic write of the replica store; to a device of
-another process it goes through that process (layup_jax/crossprocess.py), which merges it or
-answers with its half. The outboxes and the algorithms call this interface only; the runtime
+A send takes stage s from the sender's replica together with the push-sum weight it carries
+(`ReplicaStore.take`), waits (in the sender's updater task) until that version of the stage is
+computed on the sender's device, copies it to the peer's device and merges it there
+(`ReplicaStore.merge`: the peer's next program that reads the stage mixes it in). Waiting first is
+what keeps devices independent: a device runs its programs in the order they were dispatched, so a
+merge whose input were still being computed on the sender would hold up every program dispatched
+on the peer after it, and a slow device would stall each device it sends to. The wait is on the
+sender's own work and in its own task; the peer's device only ever receives finished arrays, and
+the peer's tasks never wait.
+
+Sends leave in the order they were posted. A posted stage goes as soon as it is computed: each
+send first sends the posted stages that are ready (without waiting), and `flush`, a task
+(`layup_jax.scheduler`), waits for the rest without blocking the thread that runs it. With
+`max_in_flight`, at most that many of its sends may be on their way to peers (copied or merged
+there not yet computed) before it waits for the oldest (that waits on a peer: the price of
+bounding what peers hold).
+
+A device admits a bounded number of programs in flight (32 per device in XLA's CPU client):
+dispatching onto a device whose queue is full blocks the dispatching thread until it drains. A
+slow device that every peer keeps sending to fills its queue with their merges, and then every
+sender waits for it. So, with `reroute_congested` (the threaded runtime), a per-stage push-sum
+send whose peer already has `CONGESTED_AT` merges pending goes to a random peer that has fewer,
+when there is one: each stage is its own push-sum instance, so which peer receives it does not
+matter to the sum. (Per-model weights are added to the chosen peer for the whole model, so those
+sends are never rerouted.)
+
+`Transport`: a send of a computed stage (`send`) or AD-PSGD's pairwise average (`average`) to a
+device of this process is a copy to its device and an atomic write of the replica store; to a
+device of another process it goes through that process (layup_jax/crossprocess.py), which merges
+it or answers with its half. The outboxes and the algorithms call this interface only; the runtime
 runs its receiver loops (`loops`) and, at a consistent point, waits until every send to another
 process has been merged there (`quiesce`).
 """
 
+import collections
+import math
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from layup_jax import crossprocess, transfer
 from layup_jax.replicas import ReplicaStore
-from layup_jax.scheduler import Task
+from layup_jax.scheduler import Ready, Task
 
 PyTree = Any
 
@@ -80,3 +111,111 @@ class Transport:
   def remote_sends(self) -> int:
     """Sends this process made to other processes' devices."""
     return self._remote.sends() if self._remote is not None else 0
+
+# Merges pending on a device from which it counts as congested: a quarter of the 32 programs
+# XLA's CPU client admits per device, leaving room for the device's own iteration (a forward,
+# a backward and an update per stage, dispatched ahead).
+CONGESTED_AT = 8
+
+
+# A scalar computed from a landed stage on its device: ready once the stage is there, and
+# holding it (to bound the sends in flight) keeps no copy of the stage alive.
+_landed = jax.jit(lambda leaf: jnp.sum(leaf.ravel()[:1]))
+
+
+def compile_landed(store: ReplicaStore) -> list:
+  """Runs the landed-scalar function once per stage on every device (used with a bound)."""
+  return [_landed(jax.tree.leaves(store.params(j, s))[0])
+          for j in range(store.num_devices) for s in range(store.num_stages)]
+
+
+def _is_ready(tree: PyTree) -> bool:
+  return all(leaf.is_ready() for leaf in jax.tree.leaves(tree))
+
+
+class Outbox:
+  """Device `sender`'s sends not yet made, and its merges not yet landed on peers."""
+
+  def __init__(self, store: ReplicaStore, sender: int, transport: Transport,
+               choose: Any = None, max_in_flight: int = 0):
+    """`choose(sender, candidates)` picks a peer among candidates (rerouted sends). Peers are
+    positions in the run; `transport` takes a send to a device of this process or another."""
+    self._store, self._sender, self._choose = store, sender, choose
+    self._transport = transport
+    self.reroute_congested = False
+    # Posted sends: (peer, stage, part, amount, whether the merge adds it, future or None).
+    self._pending: collections.deque = collections.deque()
+    self._in_flight: collections.deque = collections.deque()  # landed markers, oldest first
+    self.max_in_flight = max_in_flight or math.inf
+    self.sent = 0  # sends made (to this process's devices and others')
+    self.peak_in_flight = 0  # the most sends on their way at once, under `max_in_flight`
+    self.watch = False  # whether a send returns a future of the merged stage (timed iterations)
+
+  def send_halved(self, peer: int, s: int) -> Future | None:
+    """Sends stage s to `peer` with per-stage push-sum weights: w_{i,s} halved now, in the
+    same atomic write that takes the stage, and the half added to w_{j,s} by the merge."""
+    return self._push(peer, s, None)
+
+  def send_weighted(self, peer: int, s: int, amount: float) -> Future | None:
+    """Sends stage s to `peer` with Algorithm 1's per-model weights: w_i was halved for the
+    whole model (`ReplicaStore.halve_model_weight`), the merge mixes with `amount`, and the
+    sender adds it to w_j once every stage has gone."""
+    return self._push(peer, s, amount)
+
+  def _push(self, peer: int, s: int, amount: float | None) -> Future | None:
+    """Posts the send. With `watch`, returns a future of the merged stage (set once the send is
+    made), else None. Never waits: what is not computed yet goes with a later send or
+    `flush`."""
+    part, halved = self._store.take(self._sender, s, halve=amount is None)
+    merged = Future() if self.watch else None
+    self._pending.append((peer, s, part, halved if amount is None else amount, amount is None,
+                          merged))
+    while self._pending and _is_ready(self._pending[0][2]) and self._room():
+      self._send(*self._pending.popleft())
+    return merged
+
+  def flush(self) -> Task:
+    """Sends every posted stage as it is computed on the sender's device (a task: it waits for
+    that, and for room under `max_in_flight`)."""
+    while self._pending:
+      yield Ready(self._pending[0][2])  # computed on our device: the peer never waits on it
+      while not self._room():  # bounds what peers hold of ours
+        yield Ready(self._in_flight[0])
+      self._send(*self._pending.popleft())
+
+  def _room(self) -> bool:
+    """Whether fewer than `max_in_flight` of our merges are uncomputed on peers."""
+    while self._in_flight and self._in_flight[0].is_ready():
+      self._in_flight.popleft()
+    return len(self._in_flight) < self.max_in_flight
+
+  def _send(self, peer: int, s: int, part: PyTree, amount: float, add_weight: bool,
+            watched: Future | None) -> None:
+    """Sends a computed `part` (and room under the bound)."""
+    self.sent += 1
+    j = self._transport.local(peer)
+    if j is not None and self.reroute_congested and add_weight:
+      peer += self._uncongested(j) - j
+    landed = self._transport.send(peer, s, part, amount, add_weight)
+    if landed is None:  # timed on the receiving process (`remote_send_latency_ms`)
+      if watched is not None:
+        watched.set_result(None)
+      return
+    if self.max_in_flight < math.inf:
+      self._in_flight.append(_landed(landed))
+      self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
+    if watched is not None:
+      watched.set_result(landed)
+
+  def _uncongested(self, peer: int) -> int:
+    """`peer`, or a random peer with fewer than `CONGESTED_AT` merges pending if it has as
+    many, and some other has fewer."""
+    store = self._store
+    if store.pending_merges(peer) < CONGESTED_AT:
+      return peer
+    free = [k for k in range(store.num_devices)
+            if k != self._sender and store.pending_merges(k) < CONGESTED_AT]
+    return self._choose(self._sender, free) if free else peer
+
+  def in_flight(self) -> int:
+    return len(self._in_flight)

@@ -227,7 +227,7 @@ def test_sends_to_a_device_with_a_full_queue_go_to_another_peer():
   # blocks the sender. Device 1 is held back by a long program; device 0 keeps sending to it:
   # once 8 of its merges are pending there, device 0's stages go to device 2 instead, and
   # device 0 goes on training while device 1's program still runs.
-  from layup_jax import outbox
+  from layup_jax import transport
 
   runtime = make_layup_runtime(3)
   runtime.compile()
@@ -238,7 +238,7 @@ def test_sends_to_a_device_with_a_full_queue_go_to_another_peer():
   for _ in range(15):  # 45 stages for device 1: more than its queue admits
     runtime.iterate_serial(0, 1)
   assert not held_back.is_ready(), "device 0 waited for device 1's queue"
-  assert runtime.store.pending_merges(1) == outbox.CONGESTED_AT
+  assert runtime.store.pending_merges(1) == transport.CONGESTED_AT
   weights = runtime.store.weights.values
   assert all(w > 1 / 3 for w in weights[2]) and all(w > 1 / 3 for w in weights[1])
   jax.block_until_ready(held_back)

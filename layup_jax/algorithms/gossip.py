@@ -18,7 +18,7 @@ is kept whatever local steps land meanwhile.
 
 import jax
 
-from layup_jax.exchange import Hooks, local_update
+from layup_jax.exchange import Hooks
 
 
 class GoSGD(Hooks):
@@ -55,7 +55,7 @@ class ADPSGD(Hooks):
   def on_stage(self, i: int, peer: int | None, s: int, grads, step: jax.Array):
     if peer is not None:
       yield from self.links.transport.average(i, peer, s)  # a task: waits for both models
-    local_update(self.store, i, s, grads, step)
+    self.store.local_step(i, s, grads, step)
 
   def compile(self) -> None:
     jax.block_until_ready(self.store.compile_pair_average())

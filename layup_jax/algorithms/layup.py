@@ -24,7 +24,7 @@ import dataclasses
 
 import jax
 
-from layup_jax.exchange import Hooks, local_update
+from layup_jax.exchange import Hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class LayUp(Hooks):
 
   # The local update runs in the program of the stage's backward, as its gradient is computed
   # (`DeviceStages.backward`, layup_jax/replicas.py), under the same atomic write a merge
-  # takes: `on_stage` then finds it applied (`local_update` with grads None).
+  # takes: `on_stage` then finds it applied (`local_step` with grads None).
   # `layup.fuse_local_step=False` applies it here instead, from the gradient.
   fuses_local_step = True
 
@@ -51,7 +51,7 @@ class LayUp(Hooks):
     return Iteration(j, self.store.halve_model_weight(i) if per_model else None)
 
   def on_stage(self, i: int, it: Iteration, s: int, grads, step: jax.Array):
-    x = local_update(self.store, i, s, grads, step)  # Local update
+    x = self.store.local_step(i, s, grads, step)  # Local update
     if it.peer is None:
       return x
     outbox = self.links.outboxes[i]
