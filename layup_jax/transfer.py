@@ -3,22 +3,29 @@
 The LayUp runtime copies every stage it sends to a peer, and every batch to its device, tens of
 times per iteration across its threads. `jax.device_put` spends most of its time in a Python
 layer that accepts every kind of input (pytrees of shardings, layouts, memory kinds); an array
-copied onto one device needs none of it. `to_device` calls jax's internal transfer once per
-array instead (on jax 0.10, CPU: about 10 us per array against 35 us for `jax.device_put`),
-after checking once that it gives what `jax.device_put` gives; where that internal function is
-missing or differs (another jax version), `to_device` is `jax.device_put`.
+copied onto one device needs none of it. `to_device` calls jax's internal transfers instead:
+the device arrays of a pytree (a stage's leaves) in one call of the runtime's batched copy, and
+host arrays (a batch) one call each. On jax 0.10, CPU, a ResNet stage of 8 arrays: 38 us in one
+batched call, 98 us one internal call per array, 162 us with `jax.device_put` (medians of 5 x
+500 copies, this machine, 2026-11-26). It checks once that they give what `jax.device_put`
+gives; where an internal function is missing or differs (another jax version), `to_device` is
+`jax.device_put`.
 """
 
 import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 try:
   from jax._src import core as _core
   from jax._src.interpreters.pxla import batched_device_put as _batched_device_put
-except ImportError:  # a jax without them: the public function
+  from jax._src.lib import xla_client as _xc
+  _batched_copy = _xc.batched_copy_array_to_devices_with_sharding
+  _REUSE = _xc.ArrayCopySemantics.REUSE_INPUT
+except (ImportError, AttributeError):  # a jax without them: the public function
   _batched_device_put = None
 
 PyTree = Any
@@ -28,18 +35,28 @@ def public(tree: PyTree, device: jax.Device) -> PyTree:
   return jax.device_put(tree, device)
 
 
-def _direct(tree: PyTree, device: jax.Device) -> PyTree:
+@functools.cache
+def _target(device: jax.Device) -> tuple:
   sharding = jax.sharding.SingleDeviceSharding(device)
+  return sharding, sharding._internal_device_list
 
-  def copy(x):
+
+def _direct(tree: PyTree, device: jax.Device) -> PyTree:
+  sharding, device_list = _target(device)
+  leaves, treedef = jax.tree.flatten(tree)
+  if all(isinstance(x, jax.Array) for x in leaves):  # a stage: one batched copy
+    count = len(leaves)
+    return jax.tree.unflatten(treedef, _batched_copy(leaves, [device_list] * count,
+                                                     [sharding] * count, [_REUSE] * count))
+  copied = []
+  for x in leaves:
     if isinstance(x, jax.Array):
-      aval = x.aval
-    else:
+      copied.append(_batched_copy([x], [device_list], [sharding], [_REUSE])[0])
+    else:  # a host array
       x = np.asarray(x)
-      aval = _core.ShapedArray(x.shape, x.dtype)
-    return _batched_device_put(aval, sharding, [x], [device])
-
-  return jax.tree.map(copy, tree)
+      copied.append(_batched_device_put(_core.ShapedArray(x.shape, x.dtype), sharding, [x],
+                                        [device]))
+  return jax.tree.unflatten(treedef, copied)
 
 
 @functools.cache
@@ -50,13 +67,16 @@ def implementation():
     return public
   devices = jax.devices()
   examples = (jax.device_put(np.arange(3, dtype=np.float32), devices[0]),
-              np.arange(6, dtype=np.int32).reshape(2, 3), np.int32(7))
+              np.arange(6, dtype=np.int32).reshape(2, 3), np.int32(7),
+              jax.device_put(np.ones((2, 2), jnp.bfloat16), devices[0]))
   try:
-    for x in examples:
-      want, got = jax.device_put(x, devices[-1]), _direct(x, devices[-1])
-      if (type(got) is not type(want) or got.devices() != want.devices()
-          or got.aval != want.aval or not np.array_equal(got, want)):
-        return public
+    for x in (*examples, list(examples)):  # one by one, and together
+      for want, got in zip(jax.tree.leaves(jax.device_put(x, devices[-1])),
+                           jax.tree.leaves(_direct(x, devices[-1]))):
+        if (type(got) is not type(want) or got.devices() != want.devices()
+            or got.aval != want.aval or got.committed != want.committed
+            or not np.array_equal(got, want)):
+          return public
   except Exception:  # noqa: BLE001 - any change of the internal function: the public one
     return public
   return _direct
