@@ -13,6 +13,11 @@ def get_config() -> ml_collections.ConfigDict:
   # One of layup_jax.algorithms.names(): "layup", "ddp", "gosgd", "adpsgd", "local_sgd",
   # "slowmo", "co2", "diloco".
   config.algorithm = "layup"
+  # Set by an experiment's config file (`paper_config`): its table of per-algorithm values (the
+  # paper's appendix columns, `configs/<file>.py:<algorithm>` picks one) and whose column this
+  # config holds ("" = none: the values above and the file's own).
+  config.columns = ml_collections.ConfigDict()
+  config.column = ""
   # M, the devices that train: the first M of jax.devices() (in a multi-process run, of every
   # process, process 0's first).
   config.num_devices = 8
@@ -118,11 +123,17 @@ def get_config() -> ml_collections.ConfigDict:
   # The periodic-averaging baselines (layup_jax/algorithms/periodic.py), named as in the paper.
   config.baselines = ml_collections.ConfigDict()
   config.baselines.tau = 12  # local iterations between exact global averages
-  config.baselines.out_freq = 48  # iterations between outer steps (a multiple of tau); DiLoCo
-  #                                 takes one at every average, so it needs out_freq == tau
+  # Iterations between outer steps, a multiple of tau; 0 = the algorithm's own: 4 x tau for
+  # SlowMo and CO2 (48 at tau 12, the paper's), tau for DiLoCo (an outer step at every average,
+  # which it needs: a value set for it must equal tau).
+  config.baselines.out_freq = 0
   config.baselines.slow_lr = 1.0  # SlowMo, CO2: outer learning rate
   config.baselines.slow_momentum = 0.5  # SlowMo, CO2: outer momentum
   config.baselines.co2_clip = 1.0  # CO2: outer momentum clipped elementwise to +-this (0 = none)
+  # CO2: how a device takes the one-period-stale result R_{b-1} at boundary b while the
+  # all-reduce of its own contribution runs: "correct" (its model += R_{b-1} - its corrected
+  # model at b-1) or "restart" (its model <- R_{b-1}: an ablation, unstable with momentum).
+  config.baselines.co2_resume = "correct"
   config.baselines.outer_lr = 0.7  # DiLoCo: outer Nesterov SGD learning rate
   config.baselines.outer_momentum = 0.9  # DiLoCo: outer Nesterov momentum
   # DDP's BatchNorm: "replica", PyTorch DDP's default (each device's own batch statistics; device
@@ -196,11 +207,26 @@ def set_values(config: ml_collections.ConfigDict, values: dict) -> ml_collection
 
 def paper_config(config: ml_collections.ConfigDict, paper: dict[str, dict],
                  algorithm: str | None) -> ml_collections.ConfigDict:
-  """`config` with the paper's hyper-parameters for `algorithm` (the column of its appendix
-  table); `--config configs/<experiment>.py:ddp` picks DDP's column."""
+  """`config` for `algorithm` with its column of the experiment's table `paper` (the paper's
+  appendix hyper-parameters; `--config configs/<experiment>.py:ddp` picks DDP's column). An
+  algorithm without a column runs with `config` as it is; the run says so in one line at start
+  (`config_validation.column_notes`), as it does when `--config.algorithm` names an algorithm
+  whose column differs from the values the config holds."""
   algorithm = algorithm or "layup"
-  if algorithm not in paper:
-    raise ValueError(f"this experiment has the paper's hyper-parameters for {sorted(paper)}, "
-                     f"not {algorithm!r}")
   config.algorithm = algorithm
-  return set_values(config, paper[algorithm])
+  config.columns = ml_collections.ConfigDict({name: nested(values)
+                                              for name, values in paper.items()})
+  config.column = algorithm if algorithm in paper else ""
+  return set_values(config, paper.get(algorithm, {}))
+
+
+def nested(values: dict) -> dict:
+  """`{"optimizer.learning_rate": 0.1}` as `{"optimizer": {"learning_rate": 0.1}}`."""
+  out: dict = {}
+  for key, value in values.items():
+    *path, name = key.split(".")
+    section = out
+    for part in path:
+      section = section.setdefault(part, {})
+    section[name] = value
+  return out

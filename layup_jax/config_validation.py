@@ -19,6 +19,8 @@ def _unknown_keys(config: ml_collections.ConfigDict, schema: ml_collections.Conf
   unknown = []
   for key, value in config.items():
     name = f"{prefix}.{key}"
+    if name == "config.columns":  # the experiment's table: any algorithm, any key
+      continue
     if key not in schema:
       unknown.append(name)
     elif isinstance(value, ml_collections.ConfigDict) and isinstance(
@@ -70,6 +72,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "faults.nonfinite", nonfinite.POLICIES)
   _one_of(config, "straggler.mode", straggler.MODES)
   _one_of(config, "baselines.ddp_batch_norm", ddp.BATCH_NORM)
+  _one_of(config, "baselines.co2_resume", ("correct", "restart"))
 
   pretrained = config.model.pretrained
   if pretrained:
@@ -97,15 +100,15 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   ]
   for key, bound in checks:
     _at_least(config, key, bound)
-  for key in ("baselines.tau", "baselines.out_freq"):
-    _at_least(config, key, 1)
+  _at_least(config, "baselines.tau", 1)
+  _at_least(config, "baselines.out_freq", 0)
   for key in ("baselines.slow_lr", "baselines.slow_momentum", "baselines.co2_clip",
               "baselines.outer_lr", "baselines.outer_momentum"):
     _at_least(config, key, 0)
   _require(config.baselines.out_freq % config.baselines.tau == 0, "baselines.out_freq",
            config.baselines.out_freq, f"must be a multiple of baselines.tau={config.baselines.tau}")
   _require(not algorithms.get(config.algorithm).outer_step_every_average
-           or config.baselines.out_freq == config.baselines.tau,
+           or config.baselines.out_freq in (0, config.baselines.tau),
            "baselines.out_freq", config.baselines.out_freq,
            f"{config.algorithm} takes an outer step at every average: set it equal to "
            f"baselines.tau={config.baselines.tau}")
@@ -146,6 +149,39 @@ def _check_text_model(config: ml_collections.ConfigDict) -> None:
   if config.model.name == "gpt2":
     _require(config.data.seq_len <= config.model.max_len, "data.seq_len", config.data.seq_len,
              f"must be <= model.max_len={config.model.max_len} (GPT-2's learned positions)")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def column_notes(config: ml_collections.ConfigDict) -> list[str]:
+  """One line when the algorithm that runs has no column in the experiment's table, or has one
+  whose values the config does not hold (`--config.algorithm=X` keeps the column the file was
+  loaded with): which values the run keeps, and how to take X's column."""
+  columns = config.columns.to_dict()
+  algorithm = config.algorithm
+  if not columns or config.column == algorithm:
+    return []
+  if algorithm not in columns:
+    return [f"note: this config has no hyper-parameter column for {algorithm} (it has "
+            f"{', '.join(sorted(columns))}): {algorithm} runs with the config's values as they "
+            f"are" + (f", {config.column}'s column included" if config.column else "")]
+  own = _flat(columns[algorithm])
+  kept = {key: _get(config, key) for key in own if _get(config, key) != own[key]}
+  if not kept:
+    return []
+  return [f"note: this run of {algorithm} keeps "
+          + ", ".join(f"{key}={value!r}" for key, value in kept.items())
+          + f" where the config's {algorithm} column has "
+          + ", ".join(f"{key}={own[key]!r}" for key in kept)
+          + f"; `--config <config file>:{algorithm}` takes that column"]
 
 
 def resolve_num_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:

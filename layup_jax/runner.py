@@ -29,7 +29,7 @@ from layup_jax import (
   provenance,
 )
 from layup_jax.checkpointing import Checkpoints, check_compatible
-from layup_jax.config_validation import resolve_num_steps, validate_config
+from layup_jax.config_validation import column_notes, resolve_num_steps, validate_config
 from layup_jax.errors import ConfigError, StorageError
 from layup_jax.evaluation import Evaluator
 from layup_jax.metrics import MetricsWriter
@@ -115,6 +115,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
   saves a checkpoint and returns `{"stopped": True, "step": ...}` without a summary.
   """
   validate_config(config, len(jax.devices()))
+  if jax.process_index() == 0:
+    for note in column_notes(config):
+      print(note, file=sys.stderr, flush=True)
   distributed.check_supported(config, algorithms.get(config.algorithm).gossip)
   code_version = provenance.code_version()  # the code that runs (a commit during it changes none)
   compile_cache.enable(config.get("compilation_cache_dir", ""))

@@ -64,18 +64,13 @@ def load_config_module(path: str):
 
 def algorithm_config(module, algorithm: str) -> ml_collections.ConfigDict:
   """The config file's column for `algorithm` (the paper's hyper-parameters, as
-  `--config FILE:ALGORITHM`), or its default column with `algorithm` set where it has none."""
-  try:
-    config = module.get_config(algorithm)
-  except ValueError:
-    config = module.get_config()
-  config.algorithm = algorithm
+  `--config FILE:ALGORITHM`), or the file's values where it has none; `METHOD_SETTINGS` fill
+  what a column does not set."""
+  config = module.get_config(algorithm)
   column = getattr(module, "PAPER", {}).get(algorithm, {})
   for key, value in METHOD_SETTINGS.get(algorithm, {}).items():
     if key not in column:
       set_value(config, key, value)
-  if algorithm == "diloco":
-    config.baselines.out_freq = config.baselines.tau
   return config
 
 

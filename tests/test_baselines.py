@@ -206,8 +206,9 @@ def test_slowmo_scales_the_pseudo_gradient_by_one_over_the_current_learning_rate
   assert max(float(np.abs(anchor[k] - folded[k]).max()) for k in SHAPES) > 1e-2
 
 
-def test_co2_trajectory_one_period_stale_outer_step_with_every_period_local_progress():
-  """CO2 on 2 devices, tau = out_freq = 2, by hand: at boundary b a device continues from R_{b-1}
+def test_co2_restart_ablation_trajectory_one_period_stale_outer_step():
+  """CO2's restart form (`baselines.co2_resume="restart"`, the ablation) on 2 devices, tau =
+  out_freq = 2, by hand: at boundary b a device continues from R_{b-1}
   (the all-reduce started at b-1); R_b = A_{b-1} - alpha clip(m_b), m_b = beta m_{b-1} +
   (A_{b-1} - C_b), with C_b = R_{b-1} + mean_i y_b^i - R_{b-2} the consensus of the progress
   of period b (which started from R_{b-2}); clip is elementwise on the outer momentum."""
@@ -255,6 +256,53 @@ def test_co2_trajectory_one_period_stale_outer_step_with_every_period_local_prog
   assert queried == [1, 3, 5, 7]  # the learning rate of each period's last step
 
 
+def test_co2_trajectory_each_device_corrected_by_the_stale_result():
+  """CO2 on 2 devices, tau = out_freq = 2, by hand: period b runs from each device's own model
+  c_{b-1}^i to y_b^i while the all-reduce of boundary b-1 runs; at boundary b the device adds
+  its correction R_{b-1} - c_{b-1}^i, so c_b^i = y_b^i + R_{b-1} - c_{b-1}^i; the consensus C_b
+  = mean_i c_b^i, and R_b = A_{b-1} - alpha clip(m_b), m_b = beta m_{b-1} + (A_{b-1} - C_b),
+  clipped elementwise."""
+  model, lr, alpha, beta, clip = plain_mlp((4,)), 0.1, 0.5, 0.5, 0.02
+  batches = [_fixed_batches(8)[2 * d:2 * d + 2] for d in range(2)]
+  runtime = make_layup_runtime(2, model=model, tx=optax.sgd(lr), train_batches=[
+      itertools.cycle(b) for b in batches], exchange=make_exchange(
+          tau=2, out_freq=2, lag=1, outer=CO2Outer(alpha, beta, clip), correct_stale=True))
+  tree = jax.device_get(runtime.store.stage_params(0))
+  leaves, treedef = jax.tree.flatten(tree)
+  flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
+  unflat = lambda v: jax.tree.unflatten(treedef, [
+      part.reshape(x.shape) for part, x in zip(np.split(v, np.cumsum(
+          [x.size for x in leaves])[:-1]), leaves)])
+  state = runtime.store.stage_state(0)
+
+  def local_period(start, device):  # tau SGD steps on the device's batches, by reference
+    params = unflat(start)
+    for batch in batches[device]:
+      grads = jax.grad(lambda p, b=batch: model.loss(p, state, b.inputs, b.targets,
+                                                      jax.random.key(0), 0)[0])(params)
+      params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    return flat(params)
+
+  anchor, momentum, clipped_any = flat(tree), np.zeros_like(flat(tree)), False
+  models = [flat(tree)] * 2  # c_0^i: the initial model
+  corrections = [np.zeros_like(flat(tree))] * 2  # R_0 - c_0^i
+  for _ in range(1, 5):
+    ys = [local_period(models[d], d) for d in range(2)]
+    for _ in range(2):
+      for d in range(2):
+        runtime.iterate_serial(d)
+    models = [ys[d] + corrections[d] for d in range(2)]  # c_b^i
+    for d in range(2):
+      np.testing.assert_allclose(flat(jax.device_get(runtime.store.stage_params(d))),
+                                 models[d], atol=2e-6)
+    raw = beta * momentum + (anchor - np.mean(models, axis=0))
+    clipped_any |= bool(np.any(np.abs(raw) > clip))
+    momentum = np.clip(raw, -clip, clip)
+    anchor = anchor - alpha * momentum  # R_b
+    corrections = [anchor - models[d] for d in range(2)]
+  assert clipped_any and not np.allclose(models[0], models[1])
+
+
 @pytest.mark.parametrize("algorithm", ["gosgd", "adpsgd", "local_sgd", "slowmo", "co2", "diloco"])
 def test_every_baseline_trains_the_digits_task(algorithm, tiny_config, tmp_path):
   tiny_config.algorithm, tiny_config.num_devices = algorithm, 4
@@ -265,13 +313,6 @@ def test_every_baseline_trains_the_digits_task(algorithm, tiny_config, tmp_path)
   if algorithm == "diloco":
     tiny_config.optimizer.name, tiny_config.optimizer.learning_rate = "adamw", 1e-2
     tiny_config.baselines.out_freq = 4  # one outer step per average
-  if algorithm == "co2":
-    # CO2 restarts each period from the result one period old (no staleness-gap penalty, as in
-    # the paper's comparison) while SGD momentum 0.9 carries on: at learning rate 0.2 the test
-    # loss rose 2.34 -> 2.54 in 60 steps (SlowMo, the same outer step without the lag: 1.9 at
-    # 0.1). With momentum 0, lagged and plain Local SGD train alike (2.24 and 2.22). Here:
-    # the library's default learning rate, twice the steps.
-    tiny_config.optimizer.learning_rate, tiny_config.num_steps = 0.05, 120
   summary = runner.run(tiny_config, tmp_path)
   rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
   first, last = (r for r in rows
@@ -305,3 +346,56 @@ def test_periodic_baselines_follow_the_bn_policy_at_a_boundary(bn_policy, lag):
   else:
     assert all(differs)
     assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(initial), states[0]))
+
+
+class _Quadratic(nn.Module):
+  """One stage whose output is its parameter vector w, for every example of the batch."""
+
+  size: int
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.ones, (self.size,))
+    return jnp.broadcast_to(w, (x.shape[0], self.size))
+
+
+def _consensus_distances(resume: str | None, periods: int = 10):
+  """Two devices, each on its own noise-free quadratic 0.5 sum_k h_k (w_k - o_k)^2 (optima o
+  = +-0.5, curvatures h 0.3 / 0.5 / 1), 12 heavy-ball steps per period (lr 0.1, momentum
+  0.9), inner momenta kept local: at each boundary, the mean of the two models (`resume`: CO2
+  "correct" or "restart"; None: Local SGD), and its distance from the minimum of the mean
+  objective (w = 0)."""
+  from layup_jax.data.pipeline import Batch
+
+  curvatures = jnp.array([0.3, 0.5, 1.0])
+  model = StagedModel([_Quadratic(3)], loss_fn=lambda out, target: 0.5 * jnp.mean(
+      jnp.sum(curvatures * (out - target) ** 2, axis=-1)))
+  batches = [Batch(np.zeros((2, 1), np.float32), np.full((2, 3), o, np.float32))
+             for o in (0.5, -0.5)]
+  runtime = make_layup_runtime(2, model=model, tx=optax.sgd(0.1, momentum=0.9),
+                               train_batches=[itertools.repeat(b) for b in batches],
+                               exchange=make_exchange(tau=12, out_freq=12, outer=None,
+                                                      lag=int(resume is not None),
+                                                      correct_stale=resume == "correct"))
+  means = []
+  for _ in range(periods):
+    for _ in range(12):
+      for d in range(2):
+        runtime.iterate_serial(d)
+    means.append(np.mean([_leaves(runtime, d)[0] for d in range(2)], axis=0))
+  return np.array(means), np.array([np.abs(m).max() for m in means])
+
+
+def test_co2_corrected_by_the_stale_result_contracts_where_restarting_from_it_grows():
+  """The stability claim behind CO2's form: a device that takes the one-period-stale result
+  R_{b-1} by *correcting* its own model (x <- x + R_{b-1} - c_{b-1}^i) keeps its own latest
+  progress, and on a quadratic the consensus follows synchronous Local SGD's exactly; one
+  that *restarts* from R_{b-1} (the earlier form) drops it while its momentum carries on, and
+  the consensus moves away from the minimum period after period."""
+  local_means, _ = _consensus_distances(None)
+  corrected_means, corrected = _consensus_distances("correct")
+  _, restarted = _consensus_distances("restart")
+  np.testing.assert_allclose(corrected_means, local_means, atol=1e-5)
+  growth = lambda d: np.exp(np.mean(np.log(d[4:] / d[3:-1])))  # per period, geometric mean
+  assert growth(corrected) < 0.7 and corrected[-1] < 1e-2 * corrected[1], corrected
+  assert growth(restarted) > 1.1 and restarted[-1] > restarted[1], restarted

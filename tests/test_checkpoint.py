@@ -183,20 +183,27 @@ def test_remap_preserves_each_stages_mass_and_weight_sum():
       np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def _co2():
+def _co2(correct: bool = True):
   return make_layup_runtime(4, model=plain_mlp(), exchange=make_exchange(
-      tau=2, out_freq=4, lag=1, outer=CO2Outer(0.5, 0.5, 1.0)))
+      tau=2, out_freq=4, lag=1, outer=CO2Outer(0.5, 0.5, 1.0), correct_stale=correct))
 
 
-def test_co2_resumed_mid_period_continues_exactly(tmp_path):
-  # Devices 0 and 1 past boundary 1 and one step into period 2, devices 2 and 3 still in period
-  # 1: boundary 1's average is pending, with contributions of two devices saved.
-  schedule_before = [0, 1, 0, 1, 0, 1, 2, 3]
+@pytest.mark.parametrize("correct", [True, False], ids=["correct", "restart"])
+def test_co2_resumed_mid_period_continues_exactly(correct, tmp_path):
+  # After boundary 1's average (each device's correction is no longer zero), devices 0 and 1
+  # past boundary 2 and one step into period 3, devices 2 and 3 one step into period 2:
+  # boundary 2's average is pending, with contributions of two devices saved, and devices 2
+  # and 3 have not taken boundary 1's result yet.
+  schedule_before = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 0, 1, 0, 1, 2, 3]
   schedule_after = [2, 3, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
-  original = _co2()
+  original = _co2(correct)
   for i in schedule_before:
     original.iterate_serial(i)
-  fresh = _co2()  # the same data order (the runner restores it), but trained elsewhere
+  if correct:
+    _, meta = original.exchange.state.state_dict()
+    # Periods 0 and 1's corrections: devices 2 and 3 still take period 1's at boundary 2.
+    assert meta["correction_slots"] == [[p, k] for p in (0, 1) for k in range(4)]
+  fresh = _co2(correct)  # the same data order (the runner restores it), but trained elsewhere
   for i in range(4):
     fresh.iterate_serial(i)
   _save_and_restore(original, fresh, tmp_path / "checkpoints")
@@ -239,6 +246,8 @@ def test_a_periodic_checkpoint_across_processes_splits_into_each_process_part_an
   assert [k for _, k in meta["contribution_slots"]] == [0, 1]
   parts = [(*periodic.process_state(arrays, meta, first, 2), first) for first in (0, 2)]
   assert [len(a["contributions"]) for a, _, _ in parts] == [2, 0]
+  # Each device's correction (CO2's, period 0's here) goes to its own process.
+  assert [m["correction_slots"] for _, m, _ in parts] == [[[0, 0], [0, 1]]] * 2
   assert parts[0][1]["finished"] == meta["finished"][:2]
   assert parts[1][1]["finished"] == meta["finished"][2:] and parts[1][1]["applied"] == meta[
       "applied"][2:]

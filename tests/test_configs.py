@@ -8,7 +8,10 @@ import pathlib
 
 import pytest
 
+from configs import base
 from layup_jax import data, runner
+from layup_jax.config_validation import column_notes, validate_config
+from layup_jax.errors import ConfigError
 from tests.helpers import write_fashion_mnist
 from tests.tfds_fakes import mocked_tfds
 
@@ -57,6 +60,40 @@ def test_the_paper_columns_differ_where_the_paper_does():
   ddp = importlib.import_module("configs.cifar100_resnet18").get_config("ddp")
   assert (layup.optimizer.learning_rate, ddp.optimizer.learning_rate) == (0.035, 0.045)
   assert (layup.optimizer.warmup_epochs, ddp.optimizer.warmup_epochs) == (5.0, 0.0)
-  with pytest.raises(ValueError, match=r"hyper-parameters for \['co2', 'ddp', 'gosgd', "
-                                      r"'layup', 'slowmo'\], not 'sync'"):
-    importlib.import_module("configs.cifar100_resnet18").get_config("sync")
+
+
+def test_an_algorithm_without_a_column_runs_the_configs_values_and_says_so_in_one_line():
+  module = importlib.import_module("configs.cifar100_resnet18")
+  config = module.get_config("local_sgd")  # the paper gives no Local SGD column for CIFAR
+  assert (config.algorithm, config.column) == ("local_sgd", "")
+  assert config.optimizer.learning_rate == base.get_config().optimizer.learning_rate
+  validate_config(config, 8)
+  (note,) = column_notes(config)
+  assert "no hyper-parameter column for local_sgd (it has co2, ddp, gosgd, layup, slowmo)" in note
+  with pytest.raises(ConfigError, match="config.algorithm='sync': must be one of"):
+    validate_config(module.get_config("sync"), 8)
+
+
+def test_an_algorithm_override_names_the_values_it_keeps_from_another_column():
+  # `--config configs/fashion_mnist.py --config.algorithm=ddp`: LayUp's column, DDP's run.
+  config = importlib.import_module("configs.fashion_mnist").get_config()
+  config.algorithm = "ddp"
+  (note,) = column_notes(config)
+  assert note == ("note: this run of ddp keeps optimizer.learning_rate=0.8, "
+                  "optimizer.warmup_epochs=1.0 where the config's ddp column has "
+                  "optimizer.learning_rate=0.4, optimizer.warmup_epochs=0.0; "
+                  "`--config <config file>:ddp` takes that column")
+  config.algorithm = "gosgd"  # the same values as LayUp's column: nothing to say
+  assert column_notes(config) == []
+  assert column_notes(importlib.import_module("configs.fashion_mnist").get_config("ddp")) == []
+
+
+@pytest.mark.parametrize("algorithm", ["layup", "ddp", "gosgd", "adpsgd", "local_sgd", "slowmo",
+                                       "co2", "diloco"])
+def test_every_algorithm_by_name_on_the_digits_config(algorithm):
+  by_suffix = importlib.import_module("configs.digits").get_config(algorithm)
+  by_override = importlib.import_module("configs.digits").get_config()
+  by_override.algorithm = algorithm
+  for config in (by_suffix, by_override):
+    validate_config(config, 8)  # DiLoCo too: out_freq 0 follows tau
+    assert column_notes(config) == []  # digits has no columns: every algorithm, same values

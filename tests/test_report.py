@@ -30,8 +30,8 @@ def test_a_sweep_config_takes_the_paper_column_the_overrides_and_the_delay():
   assert not ddp.checkpoint.enabled
   layup = sweep.run_config(module, overrides, "layup", 0, 0)
   assert layup.optimizer.learning_rate == 0.035 and layup.straggler.device == -1
-  diloco = sweep.run_config(module, [], "diloco", 0, 0)  # no paper column: the default one
-  assert diloco.optimizer.name == "adamw" and diloco.baselines.out_freq == diloco.baselines.tau
+  diloco = sweep.run_config(module, [], "diloco", 0, 0)  # no paper column: the config's values
+  assert diloco.optimizer.name == "adamw" and diloco.baselines.out_freq == 0  # follows tau
   module.PAPER = {**module.PAPER, "diloco": {"optimizer.learning_rate": 0.01}}
   searched = sweep.run_config(module, [], "diloco", 0, 0)  # the column's searched lr wins
   assert (searched.optimizer.name, searched.optimizer.learning_rate) == ("adamw", 0.01)

@@ -66,7 +66,7 @@ register("slowmo", periodic.builder(lambda b: periodic.SlowMo(b.slow_lr, b.slow_
 register("co2", periodic.builder(
     lambda b: periodic.CO2Outer(b.slow_lr, b.slow_momentum, b.co2_clip), lag=1))
 register("diloco", periodic.builder(lambda b: periodic.OptaxOuter(  # Douillard et al. 2023,
-    optax.sgd(b.outer_lr, momentum=b.outer_momentum, nesterov=True))),  # Algorithm 1
-    outer_step_every_average=True)
+    optax.sgd(b.outer_lr, momentum=b.outer_momentum, nesterov=True)),  # Algorithm 1
+    averages_per_outer_step=1), outer_step_every_average=True)
 
 __all__ = ["Algorithm", "Runtime", "Snapshot", "build_runtime", "get", "names", "register"]
