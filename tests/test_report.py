@@ -126,3 +126,29 @@ def test_a_claim_holds_only_beyond_the_noise():
   assert report.verdict(-0.02, 0.01) == "does not hold"
   assert report.verdict(0.005, 0.01) == "within noise"
   assert report.verdict(-0.02, 0.01, better_if_positive=False) == "holds"  # lower is better
+
+
+def test_the_straggler_claim_compares_the_times_to_target_under_each_delay():
+  # The paper's Figure 3 as a claim per (mode, delay): LayUp's time to the target against DDP's
+  # under the same straggler; a method that never reaches it within its run loses.
+  report = _script("report")
+
+  def run(algorithm, delay, tta, seed=0, mode="host"):
+    return {"algorithm": algorithm, "variant": "", "seed": seed, "delay": delay, "mode": mode,
+            "summary": {"final_eval_accuracy": 0.9, "time_to_target_s": tta,
+                        "device_samples_per_s": [100.0] * 4}, "records": []}
+
+  runs = [run("layup", 0.0, 100.0), run("ddp", 0.0, 90.0),
+          run("layup", 2.0, 110.0), run("layup", 2.0, 112.0, seed=1),
+          run("ddp", 2.0, 260.0), run("ddp", 2.0, 250.0, seed=1),
+          run("layup", 4.0, 120.0, mode="device"), run("ddp", 4.0, None, mode="device")]
+  rows = "\n".join(report.claims_table(runs, "accuracy", True))
+  assert ("| Under a delay-2 straggler (host-side) LayUp reaches the target sooner than DDP | "
+          "LayUp 111 s vs DDP 255 s (seeds reaching it: 2/2, 2/2, in runs of the same steps) | "
+          "holds |") in rows
+  assert ("| Under a delay-4 straggler (device-side) LayUp reaches the target sooner than DDP | "
+          "LayUp 120 s vs DDP not reached (seeds reaching it: 1/1, 0/1, in runs of the same "
+          "steps) | holds |") in rows
+  runs[-2]["summary"]["time_to_target_s"], runs[-1]["summary"]["time_to_target_s"] = None, 80.0
+  assert "DDP 80 s (seeds reaching it: 0/1, 1/1, in runs of the same steps) | does not hold |" in (
+      "\n".join(report.claims_table(runs, "accuracy", True)))
