@@ -206,19 +206,19 @@ def test_slowmo_scales_the_pseudo_gradient_by_one_over_the_current_learning_rate
   assert max(float(np.abs(anchor[k] - folded[k]).max()) for k in SHAPES) > 1e-2
 
 
-def test_co2_restart_ablation_trajectory_one_period_stale_outer_step():
-  """CO2's restart form (`baselines.co2_resume="restart"`, the ablation) on 2 devices, tau =
-  out_freq = 2, by hand: at boundary b a device continues from R_{b-1}
-  (the all-reduce started at b-1); R_b = A_{b-1} - alpha clip(m_b), m_b = beta m_{b-1} +
-  (A_{b-1} - C_b), with C_b = R_{b-1} + mean_i y_b^i - R_{b-2} the consensus of the progress
-  of period b (which started from R_{b-2}); clip is elementwise on the outer momentum."""
-  model, lr, alpha, beta, clip = plain_mlp((4,)), 0.1, 0.5, 0.5, 0.02
+_CO2_LR, _CO2_ALPHA, _CO2_BETA, _CO2_CLIP = 0.1, 0.5, 0.5, 0.02
+
+
+def _co2_by_hand(**exchange):
+  """CO2 on 2 devices, tau = out_freq = 2, plain SGD, each device on its own 2 fixed batches;
+  with the reference pieces: `flat` (a replica's stages as one vector), `local_period(start,
+  device)` (tau SGD steps from a flat model, by reference) and the initial model, flat."""
+  model = plain_mlp((4,))
   batches = [_fixed_batches(8)[2 * d:2 * d + 2] for d in range(2)]  # 2 batches per device
-  queried = []
-  runtime = make_layup_runtime(2, model=model, tx=optax.sgd(lr), train_batches=[
+  runtime = make_layup_runtime(2, model=model, tx=optax.sgd(_CO2_LR), train_batches=[
       itertools.cycle(b) for b in batches], exchange=make_exchange(
-          tau=2, out_freq=2, lag=1, outer=CO2Outer(alpha, beta, clip),
-          learning_rate=lambda step: queried.append(step) or 1.0))
+          tau=2, out_freq=2, lag=1, outer=CO2Outer(_CO2_ALPHA, _CO2_BETA, _CO2_CLIP),
+          **exchange))
   tree = jax.device_get(runtime.store.stage_params(0))
   leaves, treedef = jax.tree.flatten(tree)
   flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
@@ -227,27 +227,48 @@ def test_co2_restart_ablation_trajectory_one_period_stale_outer_step():
           [x.size for x in leaves])[:-1]), leaves)])
   state = runtime.store.stage_state(0)
 
-  def local_period(start, device):  # tau SGD steps on the device's batches, by reference
+  def local_period(start, device):
     params = unflat(start)
     for batch in batches[device]:
       grads = jax.grad(lambda p, b=batch: model.loss(p, state, b.inputs, b.targets,
                                                       jax.random.key(0), 0)[0])(params)
-      params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+      params = jax.tree.map(lambda p, g: p - _CO2_LR * g, params, grads)
     return flat(params)
 
-  results = {-1: flat(tree), 0: flat(tree)}  # R_{-1} = R_0 = the initial model
-  anchor, momentum, clipped_any = flat(tree), np.zeros_like(flat(tree)), False
+  return runtime, flat, local_period, flat(tree)
+
+
+def _co2_outer_step(anchor, momentum, consensus):
+  """CO2's outer step by reference: (new anchor, new momentum, whether the clip acted)."""
+  raw = _CO2_BETA * momentum + (anchor - consensus)
+  momentum = np.clip(raw, -_CO2_CLIP, _CO2_CLIP)
+  return anchor - _CO2_ALPHA * momentum, momentum, bool(np.any(np.abs(raw) > _CO2_CLIP))
+
+
+def _run_period(runtime):
+  for _ in range(2):
+    for d in range(2):
+      runtime.iterate_serial(d)
+
+
+def test_co2_restart_ablation_trajectory_one_period_stale_outer_step():
+  """CO2's restart form (`baselines.co2_resume="restart"`, the ablation) on 2 devices, tau =
+  out_freq = 2, by hand: at boundary b a device continues from R_{b-1}
+  (the all-reduce started at b-1); R_b = A_{b-1} - alpha clip(m_b), m_b = beta m_{b-1} +
+  (A_{b-1} - C_b), with C_b = R_{b-1} + mean_i y_b^i - R_{b-2} the consensus of the progress
+  of period b (which started from R_{b-2}); clip is elementwise on the outer momentum."""
+  queried = []
+  runtime, flat, local_period, initial = _co2_by_hand(
+      learning_rate=lambda step: queried.append(step) or 1.0)
+  results = {-1: initial, 0: initial}  # R_{-1} = R_0 = the initial model
+  anchor, momentum, clipped_any = initial, np.zeros_like(initial), False
   for b in range(1, 5):
     start = results[b - 2]  # period b started from R_{b-2}
     ys = [local_period(start, d) for d in range(2)]
-    for _ in range(2):
-      for d in range(2):
-        runtime.iterate_serial(d)
+    _run_period(runtime)
     consensus = results[b - 1] + np.mean(ys, axis=0) - start
-    raw = beta * momentum + (anchor - consensus)
-    clipped_any |= bool(np.any(np.abs(raw) > clip))
-    momentum = np.clip(raw, -clip, clip)
-    anchor = anchor - alpha * momentum
+    anchor, momentum, clipped = _co2_outer_step(anchor, momentum, consensus)
+    clipped_any |= clipped
     results[b] = anchor
     for d in range(2):  # each device continues from R_{b-1}
       np.testing.assert_allclose(flat(jax.device_get(runtime.store.stage_params(d))),
@@ -262,44 +283,20 @@ def test_co2_trajectory_each_device_corrected_by_the_stale_result():
   its correction R_{b-1} - c_{b-1}^i, so c_b^i = y_b^i + R_{b-1} - c_{b-1}^i; the consensus C_b
   = mean_i c_b^i, and R_b = A_{b-1} - alpha clip(m_b), m_b = beta m_{b-1} + (A_{b-1} - C_b),
   clipped elementwise."""
-  model, lr, alpha, beta, clip = plain_mlp((4,)), 0.1, 0.5, 0.5, 0.02
-  batches = [_fixed_batches(8)[2 * d:2 * d + 2] for d in range(2)]
-  runtime = make_layup_runtime(2, model=model, tx=optax.sgd(lr), train_batches=[
-      itertools.cycle(b) for b in batches], exchange=make_exchange(
-          tau=2, out_freq=2, lag=1, outer=CO2Outer(alpha, beta, clip), correct_stale=True))
-  tree = jax.device_get(runtime.store.stage_params(0))
-  leaves, treedef = jax.tree.flatten(tree)
-  flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
-  unflat = lambda v: jax.tree.unflatten(treedef, [
-      part.reshape(x.shape) for part, x in zip(np.split(v, np.cumsum(
-          [x.size for x in leaves])[:-1]), leaves)])
-  state = runtime.store.stage_state(0)
-
-  def local_period(start, device):  # tau SGD steps on the device's batches, by reference
-    params = unflat(start)
-    for batch in batches[device]:
-      grads = jax.grad(lambda p, b=batch: model.loss(p, state, b.inputs, b.targets,
-                                                      jax.random.key(0), 0)[0])(params)
-      params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
-    return flat(params)
-
-  anchor, momentum, clipped_any = flat(tree), np.zeros_like(flat(tree)), False
-  models = [flat(tree)] * 2  # c_0^i: the initial model
-  corrections = [np.zeros_like(flat(tree))] * 2  # R_0 - c_0^i
+  runtime, flat, local_period, initial = _co2_by_hand(correct_stale=True)
+  anchor, momentum, clipped_any = initial, np.zeros_like(initial), False
+  models = [initial] * 2  # c_0^i: the initial model
+  corrections = [np.zeros_like(initial)] * 2  # R_0 - c_0^i
   for _ in range(1, 5):
     ys = [local_period(models[d], d) for d in range(2)]
-    for _ in range(2):
-      for d in range(2):
-        runtime.iterate_serial(d)
+    _run_period(runtime)
     models = [ys[d] + corrections[d] for d in range(2)]  # c_b^i
     for d in range(2):
       np.testing.assert_allclose(flat(jax.device_get(runtime.store.stage_params(d))),
                                  models[d], atol=2e-6)
-    raw = beta * momentum + (anchor - np.mean(models, axis=0))
-    clipped_any |= bool(np.any(np.abs(raw) > clip))
-    momentum = np.clip(raw, -clip, clip)
-    anchor = anchor - alpha * momentum  # R_b
-    corrections = [anchor - models[d] for d in range(2)]
+    anchor, momentum, clipped = _co2_outer_step(anchor, momentum, np.mean(models, axis=0))
+    clipped_any |= clipped
+    corrections = [anchor - models[d] for d in range(2)]  # R_b - c_b^i
   assert clipped_any and not np.allclose(models[0], models[1])
 
 

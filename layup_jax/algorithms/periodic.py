@@ -414,7 +414,6 @@ class PeriodicAveraging(Hooks):
     if tau < 1 or out_freq % tau:
       raise ValueError(f"out_freq={out_freq} must be a positive multiple of tau={tau}")
     self.tau, self.out_freq, self.lag = tau, out_freq, lag
-    self.correct = bool(lag) and correct_stale
     self._learning_rate = learning_rate
     store = self.store
     self.num_devices, self.num_stages = store.num_devices, store.num_stages
@@ -423,7 +422,8 @@ class PeriodicAveraging(Hooks):
     total = len(links.run_devices)  # the mean is over every process's devices
     self._outer = outer
     self.state = PeriodState(store, self._mesh, tau=tau, lag=lag, mix_state=self._mix_state,
-                             outer=outer, average=self._average, correct=self.correct)
+                             outer=outer, average=self._average,
+                             correct=bool(lag) and correct_stale)
     first = store.replicas[0]
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                         (list(first.params), list(first.state)))
@@ -438,7 +438,7 @@ class PeriodicAveraging(Hooks):
 
   def _sync_arguments(self, params, state, period: int) -> tuple:
     averages = self.state.averages
-    base = (self.state.consensus[period - 1] if self.correct
+    base = (self.state.consensus[period - 1] if self.state.correct
             else averages[max(period - 1 - self.lag, 0)])
     previous = averages[period - 1]
     learning_rate = self._mesh.replicate(np.float32(self._learning_rate(period * self.tau - 1)))
@@ -471,7 +471,7 @@ class PeriodicAveraging(Hooks):
     st.averages[period] = result
     results = (self._mesh.unstack(result),
                self._mesh.unstack(average_state) if self._mix_state else None)
-    if self.correct:  # each device's R_b - (y_b^i + its previous correction)
+    if st.correct:  # each device's R_b - (y_b^i + its previous correction)
       previous = st.results[period - 1]
       results = tuple(None if part is None else [
           _correction(r, c[n], p) for r, c, p in zip(part, contributions, previous[n])]
