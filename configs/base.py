@@ -130,6 +130,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.baselines.slow_lr = 1.0  # SlowMo, CO2: outer learning rate
   config.baselines.slow_momentum = 0.5  # SlowMo, CO2: outer momentum
   config.baselines.co2_clip = 1.0  # CO2: outer momentum clipped elementwise to +-this (0 = none)
+  # CO2: the staleness-gap penalty of its released code, a constant dividing the pseudo-gradient
+  # of the outer step (1 = none, that code's default).
+  config.baselines.co2_gap_penalty = 1.0
   # CO2: how a device takes the one-period-stale result R_{b-1} at boundary b while the
   # all-reduce of its own contribution runs: "correct" (its model += R_{b-1} - its corrected
   # model at b-1) or "restart" (its model <- R_{b-1}: an ablation, unstable with momentum).
@@ -171,6 +174,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.metrics = ml_collections.ConfigDict()
   config.metrics.target_accuracy = 0.0  # time to this test accuracy (TTA); 0 = not measured
   config.metrics.target_perplexity = 0.0  # language models: time to this test perplexity
+  # End the run at the first evaluation that reaches the target (time-to-target runs: a slowed
+  # synchronous baseline need not train out its whole schedule); the summary says so.
+  config.metrics.stop_at_target = False
   config.metrics.tensorboard = True  # also write the metrics as TensorBoard event files
   # Per-stage update latency (gradient computed -> merge landed on the peer) is timed on every
   # `latency_every`-th iteration of each device (LayUp: the updater waits for the gradient on

@@ -32,9 +32,9 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import flags, logging
+from absl import logging
 
-from layup_jax import distributed
+from layup_jax import compat, distributed
 from layup_jax.errors import ConfigError, StorageError
 
 PyTree = Any
@@ -287,7 +287,7 @@ class Checkpoints:
       # Orbax's default barrier between processes is a device collective, which, run from the
       # save thread while the training step runs its own collectives, deadlocks (the processes
       # order the two differently); the coordination service's barrier touches no device.
-      flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+      compat.use_orbax_coordination_barrier()
     # Read only (another run's folder): no folder created, no leftover temporary save of a run
     # that may still be writing there cleaned up.
     options = ocp.CheckpointManagerOptions(

@@ -105,6 +105,8 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   for key in ("baselines.slow_lr", "baselines.slow_momentum", "baselines.co2_clip",
               "baselines.outer_lr", "baselines.outer_momentum"):
     _at_least(config, key, 0)
+  _require(config.baselines.co2_gap_penalty > 0, "baselines.co2_gap_penalty",
+           config.baselines.co2_gap_penalty, "must be > 0 (it divides the pseudo-gradient)")
   _require(config.baselines.out_freq % config.baselines.tau == 0, "baselines.out_freq",
            config.baselines.out_freq, f"must be a multiple of baselines.tau={config.baselines.tau}")
   _require(not algorithms.get(config.algorithm).outer_step_every_average
@@ -112,6 +114,11 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
            "baselines.out_freq", config.baselines.out_freq,
            f"{config.algorithm} takes an outer step at every average: set it equal to "
            f"baselines.tau={config.baselines.tau}")
+  metrics = config.metrics
+  _require(not metrics.get("stop_at_target", False)
+           or (metrics.target_accuracy > 0 or metrics.target_perplexity > 0),
+           "metrics.stop_at_target", True,
+           "needs a target: set metrics.target_accuracy (or metrics.target_perplexity)")
   _require(config.optimizer.momentum < 1, "optimizer.momentum", config.optimizer.momentum,
            "must be < 1")
   _require(config.model.dropout < 1, "model.dropout", config.model.dropout, "must be < 1")

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from layup_jax import distributed
+from layup_jax import compat, distributed
 from layup_jax.errors import ConfigError
 
 PyTree = Any
@@ -57,19 +57,15 @@ def transfer_host(configured: str) -> str:
   """`configured`, else this host's address toward the coordinator."""
   if configured:
     return configured
-  from jax._src import distributed as jax_distributed
-
-  coordinator = jax_distributed.global_state.coordinator_address or "127.0.0.1:0"
+  coordinator = compat.coordinator_address() or "127.0.0.1:0"
   return own_address_toward(coordinator.rsplit(":", 1)[0].strip("[]"))
 
 
 def start_server(host: str, num_local_devices: int):
   """This process's transfer server on `host`; one clear line when it cannot start."""
-  from jax.experimental import transfer
-
   client = jax.local_devices()[0].client
   try:
-    return transfer.start_transfer_server(client, f"{host}:0",
+    return compat.start_transfer_server(client, f"{host}:0",
                                           [f"{host}:0"] * max(1, num_local_devices))
   except Exception as error:  # any failure: one line before training
     raise ConfigError(
@@ -93,7 +89,7 @@ class RemotePeers:
     pytree of ShapeDtypeStructs of what a send of stage s carries; `merge(j, s, received,
     amount)`: the store's merge into local device j; `read(j, s)` and `correct(j, s, before,
     other)`: the store's reads and pairwise-average corrections (AD-PSGD)."""
-    self._client = distributed.coordination_client()
+    self._client = compat.coordination_client()
     self._me, self._process_of = jax.process_index(), list(process_of)
     self._first, self._count = first, count
     self._template, self._device_of, self._merge = part_template, device_of, merge

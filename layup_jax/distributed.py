@@ -34,6 +34,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from layup_jax import compat
 from layup_jax.errors import ConfigError
 
 AUTO = "auto"  # distributed.coordinator_address: JAX's cluster auto-detection (SLURM, ...)
@@ -141,11 +142,6 @@ _gathers = itertools.count()  # every process gathers in the same order: the n-t
 _pickled_keys: list[str] = []  # this process's keys of its recent `all_gather_pickled` calls
 
 
-def coordination_client():
-  """The coordination service's client of this process (JAX has no public handle to it)."""
-  from jax._src import distributed as jax_distributed
-
-  return jax_distributed.global_state.client
 
 
 def all_gather_json(value) -> list:
@@ -154,7 +150,7 @@ def all_gather_json(value) -> list:
   order."""
   if jax.process_count() == 1:
     return [value]
-  client = coordination_client()
+  client = compat.coordination_client()
   prefix = f"layup_jax/gather/{next(_gathers)}"
   client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(value))
   return [json.loads(client.blocking_key_value_get(f"{prefix}/{k}", _GATHER_TIMEOUT_MS))
@@ -166,7 +162,7 @@ def all_gather_pickled(value) -> list:
   evaluation), as bytes through the same store; the processes of one run trust each other."""
   if jax.process_count() == 1:
     return [value]
-  client = coordination_client()
+  client = compat.coordination_client()
   prefix = f"layup_jax/gather/{next(_gathers)}"
   mine = f"{prefix}/{jax.process_index()}"
   client.key_value_set_bytes(mine, pickle.dumps(value))
@@ -205,7 +201,7 @@ class Watchdog:
   EXIT_STATUS = 4
 
   def __init__(self, timeout_s: float, period_s: float = 1.0):
-    self._client = coordination_client()
+    self._client = compat.coordination_client()
     self._me, self._count = jax.process_index(), jax.process_count()
     self._timeout_s, self._period_s = timeout_s, period_s
     self._stop = threading.Event()

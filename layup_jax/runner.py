@@ -129,9 +129,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     if session.checkpoints is not None:
       hooks.append(Every(config.checkpoint.every, session.save))
     step = session.train(hooks, should_stop)  # the loop
-    if step < session.num_steps:
+    if step < session.num_steps and not session.stopped_at_target:
       return session.stop(step)
-    session.finish()
+    session.finish(step)
   finally:
     session.close()
   return session.summary(code_version)
@@ -182,6 +182,7 @@ class Session:
     self.latencies: list[list[float]] | None = None  # every sample of this process, per stage
     self.remote_latencies: list[float] = []  # every send between processes (process 0)
     self._saved_step: int | None = None
+    self.stopped_at_target = False  # `metrics.stop_at_target` ended the run early
     self._bar: tqdm.tqdm | None = None
 
   # --- build, restore, compile ----------------------------------------------------------------
@@ -244,7 +245,27 @@ class Session:
           break
         for hook in due[target]:
           hook.action(step)
+        if self._ends_at_target(due[target]):
+          self.stopped_at_target = True
+          break
     return step
+
+  def _ends_at_target(self, hooks: list[Every]) -> bool:
+    """Whether `metrics.stop_at_target` ends the run here: this step was evaluated and reached
+    the target. Only process 0 evaluates; every process takes its answer."""
+    metrics = self.config.metrics
+    if not metrics.get("stop_at_target", False) or not any(
+        hook.action == self.evaluate for hook in hooks):
+      return False
+    reached = False
+    if self.primary:
+      key, target, higher = (("perplexity", metrics.target_perplexity, False)
+                             if self.dataset.kind == "language_model"
+                             else ("accuracy", metrics.target_accuracy, True))
+      reached = measurements.time_to_target([self.record], target, key, higher) is not None
+    if jax.process_count() > 1:
+      reached = distributed.all_gather_json(reached)[0]
+    return reached
 
   # --- the hooks' actions ---------------------------------------------------------------------
 
@@ -317,12 +338,14 @@ class Session:
             "checkpoint": str(checkpoints.directory / str(step))
             if checkpoints is not None and step in checkpoints.steps() else None}
 
-  def finish(self) -> None:
-    """A run resumed from its final checkpoint is evaluated (nothing written); the last
-    checkpoint is waited for."""
+  def finish(self, step: int) -> None:
+    """A run resumed from its final checkpoint is evaluated (nothing written); one ended at its
+    target saves the model there; the last checkpoint is waited for."""
     if 0 < self.num_steps <= self.start_step:
       self.evaluate(self.num_steps, write=False)
     if self.checkpoints is not None:
+      if self.stopped_at_target:
+        self.save(step)
       self.checkpoints.wait()
 
   def close(self) -> None:
@@ -367,6 +390,7 @@ class Session:
                     else config.metrics.target_accuracy),
             steps_per_epoch=self.dataset.steps_per_epoch),
         "resumed_from_step": self.start_step,
+        "stopped_at_target": self.stopped_at_target,
         "straggler_device": config.straggler.device,
         "straggler_delay_iters": config.straggler.delay_iters,
         "code_version": code_version,

@@ -19,14 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-  from jax._src import core as _core
-  from jax._src.interpreters.pxla import batched_device_put as _batched_device_put
-  from jax._src.lib import xla_client as _xc
-  _batched_copy = _xc.batched_copy_array_to_devices_with_sharding
-  _REUSE = _xc.ArrayCopySemantics.REUSE_INPUT
-except (ImportError, AttributeError):  # a jax without them: the public function
-  _batched_device_put = None
+from layup_jax.compat import BATCHED_COPY, device_list
 
 PyTree = Any
 
@@ -38,24 +31,25 @@ def public(tree: PyTree, device: jax.Device) -> PyTree:
 @functools.cache
 def _target(device: jax.Device) -> tuple:
   sharding = jax.sharding.SingleDeviceSharding(device)
-  return sharding, sharding._internal_device_list
+  return sharding, device_list(sharding)
 
 
 def _direct(tree: PyTree, device: jax.Device) -> PyTree:
-  sharding, device_list = _target(device)
+  sharding, devices = _target(device)
   leaves, treedef = jax.tree.flatten(tree)
+  internal = BATCHED_COPY
   if all(isinstance(x, jax.Array) for x in leaves):  # a stage: one batched copy
     count = len(leaves)
-    return jax.tree.unflatten(treedef, _batched_copy(leaves, [device_list] * count,
-                                                     [sharding] * count, [_REUSE] * count))
+    return jax.tree.unflatten(treedef, internal.copy_arrays(
+        leaves, [devices] * count, [sharding] * count, [internal.reuse_input] * count))
   copied = []
   for x in leaves:
     if isinstance(x, jax.Array):
-      copied.append(_batched_copy([x], [device_list], [sharding], [_REUSE])[0])
+      copied.append(internal.copy_arrays([x], [devices], [sharding], [internal.reuse_input])[0])
     else:  # a host array
       x = np.asarray(x)
-      copied.append(_batched_device_put(_core.ShapedArray(x.shape, x.dtype), sharding, [x],
-                                        [device]))
+      copied.append(internal.put_host_array(internal.shaped_array(x.shape, x.dtype), sharding,
+                                            [x], [device]))
   return jax.tree.unflatten(treedef, copied)
 
 
@@ -63,7 +57,7 @@ def _direct(tree: PyTree, device: jax.Device) -> PyTree:
 def implementation():
   """`_direct` if it copies a device array and host arrays as `jax.device_put` does, else
   `public` (decided once, on first use: the check needs the devices)."""
-  if _batched_device_put is None:
+  if BATCHED_COPY is None:
     return public
   devices = jax.devices()
   examples = (jax.device_put(np.arange(3, dtype=np.float32), devices[0]),

@@ -245,6 +245,20 @@ def _co2_outer_step(anchor, momentum, consensus):
   return anchor - _CO2_ALPHA * momentum, momentum, bool(np.any(np.abs(raw) > _CO2_CLIP))
 
 
+@pytest.mark.parametrize("penalty", [1.0, 4.0])
+def test_co2_outer_step_divides_the_pseudo_gradient_by_the_gap_penalty(penalty):
+  # The released code's staleness-gap penalty (co2.py: m <- beta m + (old - new) / penalty, then
+  # the clip and old <- old - alpha m); 1 leaves the outer step as it was.
+  anchor, average = np.array([0.01, -0.02, 0.005]), np.zeros(3)  # mostly inside the clip
+  momentum = np.array([0.004, -0.002, 0.0])
+  outer = CO2Outer(_CO2_ALPHA, _CO2_BETA, _CO2_CLIP, penalty)
+  got_anchor, got_momentum = outer.step(anchor, average, momentum, 0.1)
+  want_momentum = np.clip(_CO2_BETA * momentum + (anchor - average) / penalty, -_CO2_CLIP,
+                          _CO2_CLIP)
+  np.testing.assert_allclose(got_momentum, want_momentum, rtol=1e-6)
+  np.testing.assert_allclose(got_anchor, anchor - _CO2_ALPHA * want_momentum, rtol=1e-6)
+
+
 def _run_period(runtime):
   for _ in range(2):
     for d in range(2):

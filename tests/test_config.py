@@ -21,6 +21,7 @@ from layup_jax.options import CONFIG_KEYS, RuntimeOptions
     ("straggler.device", 8, r"config.straggler.device=8: must name one of the 8"),
     ("straggler.mode", "gpu", r"config.straggler.mode='gpu': must be one of \['host'"),
     ("layup.push_sum", "exact", r"config.layup.push_sum='exact': must be one of \['per_stage'"),
+    ("metrics.stop_at_target", True, r"config.metrics.stop_at_target=True: needs a target"),
 ])
 def test_impossible_values_name_their_key(tiny_config, key, value, message):
   section, _, name = key.rpartition(".")

@@ -152,3 +152,10 @@ def test_the_straggler_claim_compares_the_times_to_target_under_each_delay():
   runs[-2]["summary"]["time_to_target_s"], runs[-1]["summary"]["time_to_target_s"] = None, 80.0
   assert "DDP 80 s (seeds reaching it: 0/1, 1/1, in runs of the same steps) | does not hold |" in (
       "\n".join(report.claims_table(runs, "accuracy", True)))
+  # Runs that end at the target have no final accuracy to compare, and the claim says so.
+  for r in runs:
+    r["summary"]["stopped_at_target"] = r["summary"]["time_to_target_s"] is not None
+  rows = "\n".join(report.claims_table(runs, "accuracy", True))
+  assert "final test accuracy" not in rows
+  assert ("DDP 80 s (seeds reaching it: 0/1, 1/1, runs ending at the target or at the "
+          "schedule's end) | does not hold |") in rows

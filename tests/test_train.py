@@ -42,6 +42,31 @@ def test_a_run_writes_metrics_and_summary_and_learns(tiny_config, tmp_path, algo
   assert [step for step, _ in events["train/device_samples_per_s/3"]] == [10, 20]
 
 
+def test_a_run_stopping_at_its_target_ends_at_the_first_evaluation_reaching_it(
+    tiny_config, tmp_path):
+  # Time-to-target runs (`metrics.stop_at_target`): a run ends at the first evaluation that
+  # reaches the target, with a summary and a checkpoint there; one that never reaches it trains
+  # its whole schedule. DDP on CPU is deterministic: the runs agree up to where one ends.
+  tiny_config.algorithm, tiny_config.num_devices, tiny_config.eval_every = "ddp", 2, 5
+  runner.run(tiny_config, tmp_path / "whole")
+  accuracy = {r["step"]: r["accuracy"] for r in read_metrics(tmp_path / "whole")
+              if r["split"] == "test"}
+  target = max(accuracy[step] for step in (5, 10, 15, 20))
+  assert target > accuracy[0]  # reached by training, not at the start
+  end = min(step for step in (5, 10, 15, 20) if accuracy[step] >= target)
+  for goal, last in ((target, end), (1.0001, 20)):
+    tiny_config.metrics.target_accuracy, tiny_config.metrics.stop_at_target = goal, True
+    workdir = tmp_path / f"target{goal}"
+    summary = runner.run(tiny_config, workdir)
+    test_steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "test"]
+    assert test_steps == list(range(0, last + 1, 5))
+    assert summary["stopped_at_target"] == (goal == target)
+    assert summary["target_step"] == (end if goal == target else None)
+    assert json.loads((workdir / "summary.json").read_text())["stopped_at_target"] == (
+        goal == target)
+    assert (workdir / "checkpoints" / str(last)).is_dir()  # the model where the run ended
+
+
 STOP_BOUND_S = 10
 
 

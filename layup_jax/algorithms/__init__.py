@@ -64,7 +64,8 @@ register("adpsgd", _on_asynchronous_runtime(gossip.ADPSGD), gossip=True)
 register("local_sgd", periodic.builder(lambda b: None))
 register("slowmo", periodic.builder(lambda b: periodic.SlowMo(b.slow_lr, b.slow_momentum)))
 register("co2", periodic.builder(
-    lambda b: periodic.CO2Outer(b.slow_lr, b.slow_momentum, b.co2_clip), lag=1))
+    lambda b: periodic.CO2Outer(b.slow_lr, b.slow_momentum, b.co2_clip,
+                                b.co2_gap_penalty), lag=1))
 register("diloco", periodic.builder(lambda b: periodic.OptaxOuter(  # Douillard et al. 2023,
     optax.sgd(b.outer_lr, momentum=b.outer_momentum, nesterov=True)),  # Algorithm 1
     averages_per_outer_step=1), outer_step_every_average=True)

@@ -39,9 +39,11 @@ Sun et al. stabilise the overlap with a "staleness gap penalty" and outer-moment
 Their Algorithm 1 and the penalty's equation were not readable from here (no copy of the
 paper's text beyond its abstract in the sources this project can reach); their released code
 (github.com/weigao266/fairscale-CO2, co2.py) runs the outer step synchronously and divides
-the pseudo-gradient by a constant `co2_gap_penalty` (default 1), with its clip's result
-discarded. The correction form is this project's: it keeps the overlap the paper describes
-and converges where restarting does not; the penalty is not implemented. The clip is.
+the pseudo-gradient by a constant `co2_gap_penalty` (default 1; fairseq-CO2 passes its
+`--co2-gap-penalty`, default 1), with its clip's result discarded. The correction form is this
+project's: it keeps the overlap the paper describes and converges where restarting does not.
+The penalty is here as that code defines it (`baselines.co2_gap_penalty`, default 1: none), and
+the clip.
 
 Between outer steps R_b is the consensus.
 
@@ -119,15 +121,18 @@ class SlowMo:
 @dataclasses.dataclass(frozen=True)
 class CO2Outer:
   """The CO2 fork's outer step (co2.py, `_perform_local_optimization`): momentum
-  `m <- outer_momentum m + (old - average)`, clipped elementwise to [-clip, clip] (clip 0:
-  none), then `old <- old - outer_lr m`. No learning-rate scaling, unlike SlowMo. The fork's
-  `_co2_clip` calls `torch.clamp` on the momentum buffer and discards the result, so its clip
-  (off by default there) changes nothing; here it clips, as Sun et al. describe and at the
-  LayUp paper's threshold 1.0."""
+  `m <- outer_momentum m + (old - average) / gap_penalty`, clipped elementwise to [-clip, clip]
+  (clip 0: none), then `old <- old - outer_lr m`. No learning-rate scaling, unlike SlowMo.
+  `gap_penalty` is the released code's staleness-gap penalty, a constant divisor of the
+  pseudo-gradient (co2.py's `co2_gap_penalty`, fairseq-CO2's `--co2-gap-penalty`, default 1 in
+  both). The fork's `_co2_clip` calls `torch.clamp` on the momentum buffer and discards the
+  result, so its clip (off by default there) changes nothing; here it clips, as Sun et al.
+  describe and at the LayUp paper's threshold 1.0."""
 
   slow_lr: float
   slow_momentum: float
   clip: float
+  gap_penalty: float = 1.0
 
   def init(self, params):
     return _zeros(params)
@@ -136,7 +141,7 @@ class CO2Outer:
     del learning_rate
 
     def update(m, a, x):
-      m = self.slow_momentum * m + (a - x)
+      m = self.slow_momentum * m + (a - x) / self.gap_penalty
       return jnp.clip(m, -self.clip, self.clip) if self.clip else m
 
     momentum = jax.tree.map(update, momentum, anchor, average)

@@ -1,0 +1,23 @@
+"""What the project takes from jax's internals is there on the jax that runs the tests (every
+supported version runs these in CI): a jax that moves one fails here, by name, not in a run."""
+
+import jax
+
+from layup_jax import compat, transfer
+
+
+def test_the_version_is_read_as_numbers():
+  assert ".".join(map(str, compat.JAX_VERSION)) == ".".join(jax.__version__.split(".")[:3])
+  assert compat.JAX_VERSION >= (0, 10)
+
+
+def test_the_batched_copy_internals_are_there_and_taken():
+  assert compat.BATCHED_COPY is not None
+  assert transfer.implementation() is transfer._direct  # they give what jax.device_put gives
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+  assert list(compat.device_list(sharding)) == [jax.devices()[1]]
+
+
+def test_the_coordination_state_reads_as_absent_in_one_process():
+  assert compat.coordination_client() is None
+  assert compat.coordinator_address() is None
