@@ -18,8 +18,6 @@ import types
 
 import jax
 
-JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3] if part.isdigit())
-
 try:
   from jax._src import core as _core
   from jax._src.interpreters.pxla import batched_device_put as _batched_device_put

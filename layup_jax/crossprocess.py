@@ -66,7 +66,7 @@ def start_server(host: str, num_local_devices: int):
   client = jax.local_devices()[0].client
   try:
     return compat.start_transfer_server(client, f"{host}:0",
-                                          [f"{host}:0"] * max(1, num_local_devices))
+                                        [f"{host}:0"] * max(1, num_local_devices))
   except Exception as error:  # any failure: one line before training
     raise ConfigError(
         f"the transfer server for gossip between processes did not start on {host} "

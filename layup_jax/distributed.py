@@ -142,8 +142,6 @@ _gathers = itertools.count()  # every process gathers in the same order: the n-t
 _pickled_keys: list[str] = []  # this process's keys of its recent `all_gather_pickled` calls
 
 
-
-
 def all_gather_json(value) -> list:
   """Every process's `value` (JSON-serializable), in process order, through the coordination
   service's key-value store (no device collective); every process must call it, in the same

@@ -259,13 +259,18 @@ class Session:
       return False
     reached = False
     if self.primary:
-      key, target, higher = (("perplexity", metrics.target_perplexity, False)
-                             if self.dataset.kind == "language_model"
-                             else ("accuracy", metrics.target_accuracy, True))
+      key, target, higher = self._target()
       reached = measurements.time_to_target([self.record], target, key, higher) is not None
     if jax.process_count() > 1:
       reached = distributed.all_gather_json(reached)[0]
     return reached
+
+  def _target(self) -> tuple[str, float, bool]:
+    """(metric, `metrics.target_*` value, whether higher is better) of this run's task."""
+    metrics = self.config.metrics
+    if self.dataset.kind == "language_model":
+      return "perplexity", metrics.target_perplexity, False
+    return "accuracy", metrics.target_accuracy, True
 
   # --- the hooks' actions ---------------------------------------------------------------------
 
@@ -386,8 +391,7 @@ class Session:
         **self.throughput(),
         **measurements.run_measurements(
             self.writer.records, language_model=language_model,
-            target=(config.metrics.target_perplexity if language_model
-                    else config.metrics.target_accuracy),
+            target=self._target()[1],
             steps_per_epoch=self.dataset.steps_per_epoch),
         "resumed_from_step": self.start_step,
         "stopped_at_target": self.stopped_at_target,

@@ -303,9 +303,8 @@ def claims_table(runs: list[dict], key: str, higher: bool) -> list[str]:
   if not (layup and ddp):
     return []
   rows = []
-  final = f"final_eval_{key}"
-  a, b = values(layup, final), values(ddp, final)
   if not stopped_at_target(layup + ddp):  # a run ended at the target has no final accuracy
+    a, b = values(layup, f"final_eval_{key}"), values(ddp, f"final_eval_{key}")
     diff = statistics.mean(a) - statistics.mean(b)
     measured = (f"{statistics.mean(a):.4f} vs {statistics.mean(b):.4f} ({len(a)} and {len(b)} "
                 "seeds)")
