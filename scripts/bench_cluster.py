@@ -1,0 +1,123 @@
+"""Training across several "hosts" on links of a given rate: scripts/cluster_drill.sh, as root.
+
+Each repeat runs every (algorithm, variant) x layout x rate once, in that order (alternated, so
+that a machine's drift falls on all of them alike); the table gives medians over repeats of the
+training time, samples per second and final accuracy from `summary.json`, the bytes the run
+counted between processes per device-iteration (layup_jax/traffic.py: gossip's sends as made,
+a collective's bandwidth-optimal share) and the bytes the hosts' links carried per
+device-iteration (the interfaces' counters: everything, collectives as gloo runs them, the
+coordination service, evaluation's gathers), and the median send latency between processes.
+
+  sudo python scripts/bench_cluster.py --layouts 2x4 --rates unshaped 20mbit \\
+      --algorithms ddp layup --repeats 3 --out cluster.json
+  sudo python scripts/bench_cluster.py --algorithms layup \\
+      --variant "backlog8 distributed.max_remote_backlog=8" --rates 20mbit
+
+A variant is "NAME KEY=VALUE ..." (config overrides), run beside the plain algorithm.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from layup_jax import provenance
+
+
+def run(layout: str, rate: str, algorithm: str, overrides: list[str], args, workdir: str) -> dict:
+  hosts, per_host = (int(n) for n in layout.split("x"))
+  stats = os.path.join(workdir, "links.json")
+  command = ["bash", "scripts/cluster_drill.sh", "--hosts", str(hosts), "--devices-per-host",
+             str(per_host), "--stats", stats, *(["--rate", rate] if rate != "unshaped" else []),
+             "--", "--config", args.config, "--workdir", workdir,
+             f"--config.algorithm={algorithm}", f"--config.num_steps={args.num_steps}",
+             f"--config.eval_every={args.eval_every}", "--config.checkpoint.enabled=False",
+             "--config.progress_bar=False", f"--config.compilation_cache_dir={args.cache}",
+             *[f"--config.{o}" for o in overrides]]
+  result = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
+                          capture_output=True, text=True, check=False)
+  if result.returncode:
+    sys.exit(f"{layout} {rate} {algorithm} failed:\n{result.stdout[-3000:]}{result.stderr[-2000:]}")
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  with open(stats) as f:
+    links = json.load(f)
+  iterations = summary["num_steps"] * summary["num_devices"]
+  remote = summary.get("remote_send_latency_ms") or {}
+  return {"layout": layout, "rate": rate, "algorithm": algorithm,
+          "training_s": summary["wall_time_s"], "samples_per_s": summary["train_samples_per_s"],
+          "final_accuracy": summary["final_eval_accuracy"],
+          "counted_bytes_per_iteration":
+              summary.get("bytes_between_processes_per_device_iteration"),
+          "link_bytes_per_iteration": sum(h["tx_bytes"] for h in links["links"]) / iterations,
+          "send_latency_ms": remote.get("median"), "send_latency_p90_ms": remote.get("p90")}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", default="configs/digits.py")
+  parser.add_argument("--algorithms", nargs="+", default=["ddp", "layup"])
+  parser.add_argument("--variant", action="append", default=[],
+                      help='"NAME KEY=VALUE ...": config overrides, run beside the algorithms')
+  parser.add_argument("--layouts", nargs="+", default=["2x4"])
+  parser.add_argument("--rates", nargs="+", default=["unshaped", "20mbit"])
+  parser.add_argument("--num-steps", type=int, default=150)
+  parser.add_argument("--eval-every", type=int, default=50)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "bench_cluster_cc"))
+  parser.add_argument("--out", default="bench_cluster.json")
+  args = parser.parse_args()
+  if os.geteuid() != 0:
+    sys.exit("error: run as root (scripts/cluster_drill.sh creates network namespaces)")
+  cases = [(a, a, []) for a in args.algorithms]
+  for variant in args.variant:
+    name, *overrides = variant.split()
+    cases += [(f"{a}:{name}", a, overrides) for a in args.algorithms if a != "ddp"]
+  rows = []
+  for repeat in range(args.repeats):
+    for layout in args.layouts:
+      for rate in args.rates:
+        for label, algorithm, overrides in cases:
+          with tempfile.TemporaryDirectory() as workdir:
+            row = run(layout, rate, algorithm, overrides, args, workdir)
+          row.update(case=label, repeat=repeat, overrides=overrides)
+          rows.append(row)
+          print(json.dumps(row), flush=True)
+
+  def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+  table = []
+  for layout in args.layouts:
+    for rate in args.rates:
+      for label, _, _ in cases:
+        mine = [r for r in rows if (r["layout"], r["rate"], r["case"]) == (layout, rate, label)]
+        table.append({"layout": layout, "rate": rate, "case": label,
+                      **{k: median([r[k] for r in mine]) for k in (
+                          "training_s", "samples_per_s", "final_accuracy",
+                          "counted_bytes_per_iteration", "link_bytes_per_iteration",
+                          "send_latency_ms", "send_latency_p90_ms")}})
+  print("\n| case | layout | link | training s | samples/s | final accuracy | counted kB/it | "
+        "link kB/it | send latency ms (median / p90) |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  fmt = lambda v, spec: "-" if v is None else format(v, spec)
+  for t in table:
+    print(f"| {t['case']} | {t['layout']} | {t['rate']} | {fmt(t['training_s'], '.1f')} | "
+          f"{fmt(t['samples_per_s'], ',.0f')} | {fmt(t['final_accuracy'], '.4f')} | "
+          f"{fmt(t['counted_bytes_per_iteration'] and t['counted_bytes_per_iteration'] / 1e3, '.1f')} | "
+          f"{fmt(t['link_bytes_per_iteration'] / 1e3, '.1f')} | "
+          f"{fmt(t['send_latency_ms'], '.0f')} / {fmt(t['send_latency_p90_ms'], '.0f')} |")
+  with open(args.out, "w") as f:
+    json.dump({**provenance.stamp(), "args": vars(args), "table": table,
+               "runs": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

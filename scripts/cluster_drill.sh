@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Several "hosts" on one machine: N network namespaces on one bridge, one training process in
+# each, every byte between processes crossing a network interface. With --rate, each host's link
+# is shaped with the kernel's token bucket (tbf) in both directions (what it sends: the
+# namespace's end of its veth; what it receives: the bridge's end), as a NIC of that rate would
+# be. Host k is 10.231.1.(k+1); the coordinator is host 0; gloo's collectives find a process's
+# address through its hostname, which the namespace's own /etc/netns/<ns>/hosts maps to it.
+#
+#   sudo bash scripts/cluster_drill.sh --hosts 2 --devices-per-host 4 --rate 20mbit -- \
+#       --config configs/digits.py --workdir runs/cluster --config.algorithm=layup
+#
+# Process 0's output is shown, the others' prefixed [pK]. At the end one line per host gives the
+# bytes it sent and received over its link (the interface's counters: everything, collectives,
+# gossip and the coordination service); --stats FILE writes them as JSON. Everything it creates
+# (namespaces, veth pairs, the bridge, /etc/netns/<ns>) is removed on exit, also on Ctrl-C or a
+# failure; it refuses to start, in one line, if it is not root or one of its namespaces exists.
+# Exits with the first failing process's status.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+usage="usage: cluster_drill.sh --hosts N --devices-per-host D [--rate RATE] [--stats FILE] -- <train arguments>"
+HOSTS="" PER_HOST="" RATE="" STATS=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --hosts) HOSTS=$2; shift 2 ;;
+    --devices-per-host) PER_HOST=$2; shift 2 ;;
+    --rate) RATE=$2; shift 2 ;;
+    --stats) STATS=$2; shift 2 ;;
+    --) shift; break ;;
+    *) echo "error: unknown option $1; $usage" >&2; exit 2 ;;
+  esac
+done
+[[ "$HOSTS" =~ ^[0-9]+$ && "$HOSTS" -ge 2 && "$HOSTS" -le 32 ]] \
+  || { echo "error: --hosts takes 2 to 32; $usage" >&2; exit 2; }
+[[ "$PER_HOST" =~ ^[0-9]+$ && "$PER_HOST" -ge 1 ]] \
+  || { echo "error: --devices-per-host takes a positive number; $usage" >&2; exit 2; }
+[[ -z "$RATE" || "$RATE" =~ ^[0-9.]+(bit|kbit|mbit|gbit)$ ]] \
+  || { echo "error: --rate takes a tc rate such as 20mbit or 1gbit, not $RATE" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "error: give the train arguments after --; $usage" >&2; exit 2; }
+[ "$(id -u)" = 0 ] || { echo "error: run as root: the drill creates network namespaces" >&2; exit 2; }
+command -v ip > /dev/null || { echo "error: needs iproute2 (apt-get install iproute2)" >&2; exit 2; }
+if [ -n "$RATE" ]; then
+  command -v tc > /dev/null || { echo "error: --rate needs tc (apt-get install iproute2)" >&2; exit 2; }
+fi
+
+BRIDGE=layup_br
+PORT=${LAYUP_DRILL_PORT:-12355}
+NS=() ADDR=()
+for ((k = 0; k < HOSTS; k++)); do NS+=("layup_host$k"); ADDR+=("10.231.1.$((k + 1))"); done
+for ns in "${NS[@]}"; do
+  if ip netns list | grep -qw "$ns"; then
+    echo "error: namespace $ns exists (a drill still running, or left over: ip netns del $ns)" >&2
+    exit 2
+  fi
+done
+if ip link show "$BRIDGE" > /dev/null 2>&1; then
+  echo "error: bridge $BRIDGE exists (a drill still running, or left over: ip link del $BRIDGE)" >&2
+  exit 2
+fi
+
+[ -d /etc/netns ] && made_etc_netns=0 || made_etc_netns=1
+cleanup() {
+  for ns in "${NS[@]}"; do
+    ip netns pids "$ns" 2> /dev/null | xargs -r kill -9 2> /dev/null || true
+    ip netns del "$ns" 2> /dev/null || true  # takes its veth pair with it
+    rm -rf "/etc/netns/$ns"
+  done
+  ip link del "$BRIDGE" 2> /dev/null || true
+  if [ "$made_etc_netns" = 1 ]; then rmdir /etc/netns 2> /dev/null || true; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+shape() {  # shape [ip netns exec NS] DEVICE: tbf at RATE on DEVICE's egress
+  [ -z "$RATE" ] && return
+  "$@" root tbf rate "$RATE" burst 256kb latency 200ms
+}
+ip link add "$BRIDGE" type bridge
+ip link set "$BRIDGE" up
+for ((k = 0; k < HOSTS; k++)); do
+  ns=${NS[$k]}
+  ip netns add "$ns"
+  mkdir -p "/etc/netns/$ns"
+  printf '127.0.0.1 localhost\n%s %s\n' "${ADDR[$k]}" "$(hostname)" > "/etc/netns/$ns/hosts"
+  ip link add "layup_h$k" type veth peer name "layup_b$k"
+  ip link set "layup_h$k" netns "$ns"
+  ip link set "layup_b$k" master "$BRIDGE" up
+  ip -n "$ns" addr add "${ADDR[$k]}/24" dev "layup_h$k"
+  ip -n "$ns" link set "layup_h$k" up
+  ip -n "$ns" link set lo up
+  shape ip netns exec "$ns" tc qdisc add dev "layup_h$k"  # what host k sends
+  shape tc qdisc add dev "layup_b$k"  # what host k receives
+done
+
+FLAGS="$(echo "${XLA_FLAGS:-}" | tr ' ' '\n' | grep -v xla_force_host_platform_device_count | tr '\n' ' ')"
+started=$(date +%s.%N)
+pids=()
+for ((k = 0; k < HOSTS; k++)); do
+  prefix=""; [ "$k" -gt 0 ] && prefix="[p$k] "
+  ip netns exec "${NS[$k]}" env XLA_FLAGS="$FLAGS --xla_force_host_platform_device_count=$PER_HOST" \
+      PYTHONUNBUFFERED=1 "${PYTHON:-python}" -m layup_jax.train "$@" \
+      "--config.distributed.coordinator_address=${ADDR[0]}:$PORT" \
+      "--config.distributed.num_processes=$HOSTS" "--config.distributed.process_id=$k" 2>&1 \
+      | sed -u "s/^/$prefix/" &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || { code=$?; [ "$status" = 0 ] && status=$code; }; done
+elapsed=$(awk "BEGIN { print $(date +%s.%N) - $started }")
+
+counter() { ip netns exec "${NS[$1]}" cat "/sys/class/net/layup_h$1/statistics/$2"; }
+entries=()
+for ((k = 0; k < HOSTS; k++)); do
+  sent=$(counter "$k" tx_bytes) received=$(counter "$k" rx_bytes)
+  echo "host $k (${ADDR[$k]}) sent $((sent / 1000)) kB, received $((received / 1000)) kB over its link${RATE:+ ($RATE)}"
+  entries+=("{\"host\": $k, \"address\": \"${ADDR[$k]}\", \"tx_bytes\": $sent, \"rx_bytes\": $received}")
+done
+if [ -n "$STATS" ]; then
+  joined=$(IFS=,; echo "${entries[*]}")
+  printf '{"hosts": %d, "devices_per_host": %d, "rate": "%s", "wall_s": %s, "status": %d, "links": [%s]}\n' \
+      "$HOSTS" "$PER_HOST" "${RATE:-unshaped}" "$elapsed" "$status" "$joined" > "$STATS"
+fi
+exit $status
