@@ -97,9 +97,13 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("checkpoint.every", 0), ("checkpoint.keep", 1), ("metrics.target_accuracy", 0),
       ("metrics.target_perplexity", 0), ("metrics.latency_every", 0),
       ("layup.max_sends_in_flight", 0), ("model.stages_per_group", 1),
+      ("distributed.max_remote_backlog", 0),
   ]
   for key, bound in checks:
     _at_least(config, key, bound)
+  probability = config.distributed.remote_peer_probability
+  _require(probability == -1 or 0 <= probability <= 1, "distributed.remote_peer_probability",
+           probability, "must be in [0, 1], or -1 for peers uniform over the run's devices")
   _at_least(config, "baselines.tau", 1)
   _at_least(config, "baselines.out_freq", 0)
   for key in ("baselines.slow_lr", "baselines.slow_momentum", "baselines.co2_clip",

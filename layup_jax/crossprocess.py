@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from layup_jax import compat, distributed
+from layup_jax import compat, distributed, traffic
 from layup_jax.errors import ConfigError
 
 PyTree = Any
@@ -83,18 +83,20 @@ class RemotePeers:
                merge: Callable[[int, int, PyTree, float], None],
                read: Callable[[int, int], PyTree],
                correct: Callable[[int, int, PyTree, PyTree], None], host: str = "",
-               max_in_flight: int = 64):
+               max_in_flight: int = 64, sent: traffic.BytesSent | None = None):
     """`process_of[g]`: the process of global device g; this process drives devices
     `first .. first + count - 1` (store indices 0 .. count - 1). `part_template(s)`: the
     pytree of ShapeDtypeStructs of what a send of stage s carries; `merge(j, s, received,
     amount)`: the store's merge into local device j; `read(j, s)` and `correct(j, s, before,
-    other)`: the store's reads and pairwise-average corrections (AD-PSGD)."""
+    other)`: the store's reads and pairwise-average corrections (AD-PSGD); `sent` counts the
+    bytes of every offer (each is pulled once, by another process)."""
     self._client = compat.coordination_client()
     self._me, self._process_of = jax.process_index(), list(process_of)
     self._first, self._count = first, count
     self._template, self._device_of, self._merge = part_template, device_of, merge
     self._read, self._correct = read, correct
     self.max_in_flight = max_in_flight
+    self.sent = sent if sent is not None else traffic.BytesSent()
     self._server = start_server(transfer_host(host), count)
     addresses = distributed.all_gather_json(self._server.address())
     self._addresses = dict(enumerate(addresses))
@@ -103,6 +105,7 @@ class RemotePeers:
     self._lock = threading.Lock()  # notice counters and acknowledgements, shared by senders
     self._sent = {k: 0 for k in self.other_processes()}
     self._acked = {k: 0 for k in self.other_processes()}
+    self._acks_read_at: dict[int, float] = {}  # when `backlog` last read each process's
     # Per received send: seconds from its offer (the sender's clock) to its merge dispatched
     # here; comparable clocks on one host, an estimate across hosts.
     self.latencies: collections.deque = collections.deque()
@@ -148,13 +151,26 @@ class RemotePeers:
   def _offer(self, part: PyTree) -> int:
     """Offers `part` (computed) to one pull under a fresh uuid; returns the uuid."""
     uuid = (self._me << 48) | next(self._uuids)
-    self._server.await_pull(uuid, jax.tree.leaves(part))
+    leaves = jax.tree.leaves(part)
+    self._server.await_pull(uuid, leaves)
+    self.sent.add(traffic.tree_bytes(leaves))
     return uuid
 
   def sends(self) -> int:
     """How many sends this process has made to other processes' devices."""
     with self._lock:
       return sum(self._sent.values())
+
+  def backlog(self, peer: int) -> int:
+    """Sends to `peer`'s process not merged there yet, by the acknowledgements read at most
+    `_ACK_POLL_S` ago (a read of the store costs more than a send)."""
+    process = self._process_of[peer]
+    now = time.monotonic()
+    if now - self._acks_read_at.get(process, 0.0) > _ACK_POLL_S:
+      self._acks_read_at[process] = now
+      self.acknowledged(process)
+    with self._lock:
+      return self._sent[process] - self._acked[process]
 
   def acknowledged(self, process: int) -> int:
     """How many of this process's notices to `process` it has merged (read from the store)."""

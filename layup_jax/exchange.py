@@ -38,11 +38,16 @@ class PeerSampler:
   peer's position in the whole run (in one process the two are the same)."""
 
   def __init__(self, num_devices: int, seed: int, gossip: bool = True, first: int = 0,
-               count: int | None = None):
+               count: int | None = None, remote_probability: float = -1.0):
+    """`remote_probability` (a run across processes): the chance that a peer is another
+    process's device, else one of this process's, each uniformly; -1: uniform over the run."""
     self.num_devices, self.gossip, self.first = num_devices, gossip, first
     count = num_devices if count is None else count
     self._rngs = [np.random.default_rng([seed, 1, first + i]) for i in range(count)]
     self._scripted: dict[int, int | None] = {}
+    self._local = range(first, first + count)
+    self._remote_probability = (remote_probability if 0 < count < num_devices and count > 1
+                                else -1.0)  # with no other local or remote device: uniform
 
   def pick(self, i: int) -> int | None:
     """Device i's next peer, or None when there is none (one device, or gossip off)."""
@@ -50,8 +55,15 @@ class PeerSampler:
       return self._scripted.pop(i)
     if self.num_devices == 1 or not self.gossip:
       return None
-    me = self.first + i
-    j = int(self._rngs[i].integers(self.num_devices - 1))
+    me, rng = self.first + i, self._rngs[i]
+    if self._remote_probability >= 0:
+      local = self._local
+      if rng.random() < self._remote_probability:  # one of the other processes' devices
+        j = int(rng.integers(self.num_devices - len(local)))
+        return j if j < local.start else j + len(local)
+      j = local.start + int(rng.integers(len(local) - 1))
+      return j if j < me else j + 1
+    j = int(rng.integers(self.num_devices - 1))
     return j if j < me else j + 1
 
   def choose(self, i: int, candidates: list[int]) -> int:

@@ -18,6 +18,8 @@ CONFIG_KEYS = {
     "latency_every": "metrics.latency_every", "straggler_device": "straggler.device",
     "straggler_delay_iters": "straggler.delay_iters", "straggler_mode": "straggler.mode",
     "transfer_host": "distributed.transfer_host",
+    "remote_peer_probability": "distributed.remote_peer_probability",
+    "max_remote_backlog": "distributed.max_remote_backlog",
 }
 
 
@@ -42,6 +44,8 @@ class RuntimeOptions:
   straggler_delay_iters: float = 0.0
   straggler_mode: str = "host"
   transfer_host: str = ""
+  remote_peer_probability: float = 0.05
+  max_remote_backlog: int = 4
 
   def __post_init__(self):
     for name, choices in (("bn_policy", BN_POLICIES), ("push_sum", PUSH_SUM),
@@ -49,6 +53,12 @@ class RuntimeOptions:
                           ("nonfinite", nonfinite.POLICIES), ("straggler_mode", straggler.MODES)):
       if getattr(self, name) not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+    if not (self.remote_peer_probability == -1.0 or 0.0 <= self.remote_peer_probability <= 1.0):
+      raise ValueError(f"remote_peer_probability must be in [0, 1], or -1 (uniform over the "
+                       f"run's devices), got {self.remote_peer_probability}")
+    if self.max_remote_backlog < 0:
+      raise ValueError(f"max_remote_backlog must be >= 0 (0: no bound), got "
+                       f"{self.max_remote_backlog}")
     if self.max_dispatch_ahead < 1:
       raise ValueError(f"max_dispatch_ahead must be >= 1, got {self.max_dispatch_ahead}")
 

@@ -28,13 +28,17 @@ class RunStats:
                read_iterations: Callable[[], list[int]],
                gather: Callable[[Any], list[Any]] | None = None,
                remote_latencies: collections.deque | None = None, timed: bool = True,
-               host_cpu: Callable[[], float] | None = None):
+               host_cpu: Callable[[], float] | None = None,
+               bytes_sent: Callable[[], int] = lambda: 0, identical_processes: int = 1):
     """`read_*` give this process's models, push-sum weights and iterations per device;
     `gather` (a run across processes: `distributed.all_gather_pickled`) collects a value from
     every process; `remote_latencies` are the seconds of sends from other processes, as they
     merge; `timed`: whether stages' update latencies are sampled at all (DDP's are not);
     `host_cpu` the CPU seconds the runtime's own threads have spent dispatching (None: the
-    runtime dispatches from the caller's thread)."""
+    runtime dispatches from the caller's thread); `bytes_sent` the bytes this process has sent
+    to other processes so far (`layup_jax.traffic`), summed over processes by `collect`, or,
+    without `gather`, multiplied by `identical_processes` (DDP: every process runs the same
+    all-reduces)."""
     self.num_stages = num_stages
     self.losses: list[list[float]] = [[] for _ in range(num_devices)]
     self.skipped = [0] * num_devices
@@ -44,6 +48,7 @@ class RunStats:
     self._remote = remote_latencies if remote_latencies is not None else collections.deque()
     self._timed = timed
     self._host_cpu = host_cpu
+    self._bytes_sent, self._identical_processes = bytes_sent, identical_processes
     self._collected: dict[str, Any] | None = None
 
   # --- what the runtime records ----------------------------------------------------------------
@@ -69,7 +74,7 @@ class RunStats:
                          "weights": snapshot.weights, "state_weights": snapshot.state_weights},
             "losses": self._drain_losses(), "latencies": self._drain_latencies(),
             "iterations": self._read_iterations(), "skipped": list(self.skipped),
-            "remote_latencies": self._drain_remote()}
+            "remote_latencies": self._drain_remote(), "bytes_sent": self._bytes_sent()}
     parts = self._gather(mine)
     joined = lambda key: [x for part in parts for x in part[key]]
     fields = ("params", "state", "weights", "state_weights")
@@ -78,6 +83,7 @@ class RunStats:
                                 for f in fields}),
         "losses": joined("losses"), "iterations": joined("iterations"),
         "skipped": joined("skipped"), "remote_latencies": joined("remote_latencies"),
+        "bytes_sent": sum(part["bytes_sent"] for part in parts),
         "latencies": [[x for part in parts for x in part["latencies"][s]]
                       for s in range(self.num_stages)],
     }
@@ -108,6 +114,10 @@ class RunStats:
   def iterations_per_device(self) -> list[int]:
     """Iterations each device has done (a straggler does fewer under LayUp)."""
     return list(self._part("iterations", self._read_iterations))
+
+  def bytes_between_processes(self) -> int:
+    """The bytes every process of the run has sent to the others so far (0 in one process)."""
+    return self._part("bytes_sent", lambda: self._bytes_sent() * self._identical_processes)
 
   def skipped_steps(self) -> int:
     """Iterations whose update was skipped for a non-finite gradient (`faults.nonfinite`)."""

@@ -283,6 +283,17 @@ class Session:
                                    self.config.data.batch_size, self.train_time,
                                    self.flops_per_iteration, self.peak)
 
+  def traffic(self) -> dict[str, Any]:
+    """Across processes, the bytes all processes have sent to each other since this one
+    started (layup_jax/traffic.py), in total and per device-iteration; nothing in one."""
+    if jax.process_count() == 1:
+      return {}
+    stats = self.runtime.stats
+    sent = stats.bytes_between_processes()
+    iterations = sum(stats.iterations_per_device()) - self.start_step * self.config.num_devices
+    return {"bytes_between_processes": sent,
+            "bytes_between_processes_per_device_iteration": sent / max(iterations, 1)}
+
   def _stage_latencies(self) -> list[float | None] | None:
     recent = self.runtime.stats.stage_latencies()
     if recent is not None:
@@ -304,7 +315,7 @@ class Session:
       self.writer.write({**common, "split": "train", "loss": train_loss,
                          "samples_per_s": self.samples_per_s(), **self.throughput(),
                          "stage_update_latency_ms": self._stage_latencies(),
-                         "skipped_steps": stats.skipped_steps()})
+                         "skipped_steps": stats.skipped_steps(), **self.traffic()})
     self.remote_latencies.extend(stats.remote_send_latencies())
     record = {**common, "split": "test", **self.evaluator.evaluate(stats.snapshot())}
     if self.dataset.kind == "language_model":  # accuracy is next-token accuracy
@@ -386,6 +397,7 @@ class Session:
         "host_threads_cpu_s": stats.host_cpu_s(),
         "stage_update_latency_ms": measurements.stage_latency_ms(self.latencies),
         "remote_send_latency_ms": measurements.send_latency_ms(self.remote_latencies),
+        **self.traffic(),
         "flops_per_iteration": self.flops_per_iteration,
         "peak_flops": self.peak,
         **self.throughput(),

@@ -76,11 +76,11 @@ class AsyncRuntime:
                               lock=threading.Lock, first=self.first,
                               total_devices=self.total_devices)
     self.peers = PeerSampler(self.total_devices, options.seed, options.gossip, self.first,
-                             self.num_devices)
+                             self.num_devices, options.remote_peer_probability)
     self._threads = Threads(on_failure=lambda: self._budget.close())
     stopped = self._threads.stopped
     self.transport = Transport(self.store, self.first, self.total_devices,
-                               options.transfer_host, stopped)
+                               options.transfer_host, stopped, options.max_remote_backlog)
     self.across_processes = self.transport.across_processes
     self.outboxes = [Outbox(self.store, i, self.transport, self.peers.choose,
                             options.max_sends_in_flight) for i in range(self.num_devices)]
@@ -95,7 +95,8 @@ class AsyncRuntime:
         lambda: [r.iteration for r in self.store.replicas],
         gather=distributed.all_gather_pickled if self.across_processes else None,
         remote_latencies=self.transport.latencies,
-        host_cpu=lambda: sum(s.cpu_s for s in {self.dispatcher, self.updater}))
+        host_cpu=lambda: sum(s.cpu_s for s in {self.dispatcher, self.updater}),
+        bytes_sent=lambda: self.transport.sent.total)
     self._checks = FiniteChecks(self.num_devices, options.nonfinite, self.stats,
                                 self.num_stages - 1)
     self.checkpoint = RuntimeCheckpoint(self)

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from layup_jax import crossprocess, transfer
 from layup_jax.replicas import ReplicaStore
 from layup_jax.scheduler import Ready, Task
+from layup_jax.traffic import BytesSent
 
 PyTree = Any
 
@@ -56,24 +57,42 @@ class Transport:
   `first .. first + store.num_devices - 1`)."""
 
   def __init__(self, store: ReplicaStore, first: int, total_devices: int, transfer_host: str,
-               stopped: Callable[[], bool]):
+               stopped: Callable[[], bool], max_remote_backlog: int = 0):
+    """`max_remote_backlog`: from how many unmerged sends to one other process a send there
+    goes to a device of this process instead (`backlogged`; 0: never)."""
     self._store, self._first, self._stopped = store, first, stopped
+    self.max_remote_backlog = max_remote_backlog
+    self.rerouted = 0  # sends that went to a device of this process instead of a backlogged one
     self._remote = None
+    # What this process sends to other processes: its gossip, and the periodic algorithms'
+    # averages (counted by them, `traffic.compiled_share`).
+    self.sent = BytesSent()
     if store.num_devices < total_devices:  # a run across processes
       self._remote = crossprocess.RemotePeers(
           [d.process_index for d in jax.devices()[:total_devices]], first, store.num_devices,
           store.part_template, store.device,
           lambda j, s, received, amount: store.merge(j, s, received, amount, True),
           lambda j, s: store.take(j, s, halve=False)[0], store.correct_toward,
-          host=transfer_host)
+          host=transfer_host, sent=self.sent)
     self.across_processes = self._remote is not None
     # Seconds from offer to merge of each send from another process (None in one process).
     self.latencies = self._remote.latencies if self._remote is not None else None
+
+  def backlogged(self, peer: int) -> bool:
+    """Whether `peer` is another process's device to whose process `max_remote_backlog` sends
+    are not merged yet."""
+    if self._remote is None or not self.max_remote_backlog or self.local(peer) is not None:
+      return False
+    return self._remote.backlog(peer) >= self.max_remote_backlog
 
   def local(self, peer: int) -> int | None:
     """`peer`'s index in this process's store, or None if it is another process's device."""
     j = peer - self._first
     return j if 0 <= j < self._store.num_devices else None
+
+  def global_position(self, j: int) -> int:
+    """The run position of this process's device j."""
+    return self._first + j
 
   def send(self, peer: int, s: int, part: PyTree, amount: float,
            add_weight: bool) -> PyTree | None:
@@ -193,7 +212,13 @@ class Outbox:
             watched: Future | None) -> None:
     """Sends a computed `part` (and room under the bound)."""
     self.sent += 1
-    j = self._transport.local(peer)
+    transport = self._transport
+    if add_weight and transport.backlogged(peer):  # the link's queue is full: a local peer
+      others = [k for k in range(self._store.num_devices) if k != self._sender]
+      if others:
+        peer = transport.global_position(self._choose(self._sender, others))
+        transport.rerouted += 1
+    j = transport.local(peer)
     if j is not None and self.reroute_congested and add_weight:
       peer += self._uncongested(j) - j
     landed = self._transport.send(peer, s, part, amount, add_weight)

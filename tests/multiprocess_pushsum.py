@@ -1,14 +1,16 @@
 """One process of the cross-process push-sum check (tests/test_multiprocess.py runs two).
 
-    python tests/multiprocess_pushsum.py PORT NUM_PROCESSES PROCESS_ID ALGORITHM ITERATIONS
+    python tests/multiprocess_pushsum.py PORT NUM_PROCESSES PROCESS_ID ALGORITHM ITERATIONS \
+        [OPTION=VALUE ...]
 
 The threaded runtime on this process's devices of an 8-device run, learning rate 0, every
 replica given its own parameters (drawn from its global position): only gossip moves them, and
 push-sum must keep each stage's weighted average over all processes. Process 0 prints one JSON
 line: the average's relative change, the weight sums, the disagreement before and after, the
-iterations per device, and the sends that crossed processes.
+iterations per device (OPTION=VALUE: `RuntimeOptions` fields, as Python literals), the sends that crossed processes and their bytes, and each stage's bytes.
 """
 
+import ast
 import json
 import pathlib
 import sys
@@ -20,18 +22,19 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-  port, processes, process_id, algorithm, iterations = sys.argv[1:]
+  port, processes, process_id, algorithm, iterations = sys.argv[1:6]
+  options = {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in sys.argv[6:])}
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
                              num_processes=int(processes), process_id=int(process_id))
   import optax
 
-  from layup_jax import pushsum
+  from layup_jax import pushsum, traffic
   from layup_jax.algorithms.gossip import ADPSGD, GoSGD
   from layup_jax.algorithms.layup import LayUp
   from tests.helpers import make_layup_runtime
 
-  runtime = make_layup_runtime(8, learning_rate=0.0,
-                               exchange={"layup": LayUp, "gosgd": GoSGD, "adpsgd": ADPSGD}[algorithm])
+  exchange = {"layup": LayUp, "gosgd": GoSGD, "adpsgd": ADPSGD}[algorithm]
+  runtime = make_layup_runtime(8, learning_rate=0.0, exchange=exchange, **options)
   arrays, meta = runtime.checkpoint.state_dict()
   for i, replica in enumerate(arrays["replicas"]):  # i: this process's; rng: the run's position
     rng = np.random.default_rng(100 + runtime.first + i)
@@ -52,12 +55,17 @@ def main() -> None:
   sums = runtime.stats.weight_sums()
   per_device = runtime.stats.iterations_per_device()
   crossed = sum(jax.tree.leaves(distributed_sends(runtime)))
+  sent = runtime.stats.bytes_between_processes()  # every process's, as of the last collect
+  stage_bytes = [traffic.tree_bytes(jax.tree.leaves(runtime.store.part_template(s)))
+                 for s in range(runtime.num_stages)]
   runtime.close()
   if jax.process_index() == 0:
     change = float(optax.tree.norm(optax.tree.sub(center, start)) / optax.tree.norm(start))
     print(json.dumps({"relative_change": change, "weight_sums": sums, "spread": spread,
                       "spread_after": spread_after, "iterations": per_device,
-                      "sends_between_processes": crossed}), flush=True)
+                      "sends_between_processes": crossed, "bytes_between_processes": sent,
+                      "stage_bytes": stage_bytes, "rerouted": runtime.transport.rerouted}),
+          flush=True)
 
 
 def distributed_sends(runtime) -> list[int]:

@@ -22,6 +22,9 @@ from layup_jax.options import CONFIG_KEYS, RuntimeOptions
     ("straggler.mode", "gpu", r"config.straggler.mode='gpu': must be one of \['host'"),
     ("layup.push_sum", "exact", r"config.layup.push_sum='exact': must be one of \['per_stage'"),
     ("metrics.stop_at_target", True, r"config.metrics.stop_at_target=True: needs a target"),
+    ("distributed.remote_peer_probability", 1.5,
+     r"config.distributed.remote_peer_probability=1.5: must be in \[0, 1\], or -1"),
+    ("distributed.max_remote_backlog", -1, r"config.distributed.max_remote_backlog=-1: must be >= 0"),
 ])
 def test_impossible_values_name_their_key(tiny_config, key, value, message):
   section, _, name = key.rpartition(".")

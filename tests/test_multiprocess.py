@@ -9,10 +9,12 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from configs import base, digits
-from layup_jax import crossprocess, distributed, runner
+from layup_jax import crossprocess, distributed, models, runner, traffic
+from layup_jax.data.digits import load_digits
 from layup_jax.errors import ConfigError
 from layup_jax.launch import commands, environment, free_port
 from layup_jax.metrics import read_metrics
@@ -196,6 +198,14 @@ def test_local_sgd_across_two_processes_averages_as_one_process(tmp_path):
   assert [(s, k) for s, k, _ in across] == [(s, k) for s, k, _ in one] and len(one) == 5
   for (_, _, a), (_, _, b) in zip(across, one, strict=True):
     assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+  # Each process sends its share of the 4 averages (params and BatchNorm statistics, mixed):
+  # 2 (P - 1) / P = 1 of the bytes reduced, for P = 2 processes.
+  model = models.make_model(config.model)
+  params, state = model.init(jax.random.key(0), load_digits(0.2)[0].inputs[:1])
+  averaged = traffic.tree_bytes(jax.tree.leaves((params, state)))
+  summary = json.loads((two / "summary.json").read_text())
+  assert summary["bytes_between_processes"] == 4 * 2 * averaged
+  assert summary["bytes_between_processes_per_device_iteration"] == 4 * 2 * averaged / (8 * 20)
 
 
 def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tmp_path):
@@ -227,15 +237,19 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
       assert a == pytest.approx(b, rel=1e-5, abs=1e-6), name
 
 
-@pytest.mark.parametrize("algorithm", ["layup", "adpsgd"])
-def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm):
+@pytest.mark.parametrize(("algorithm", "options"), [
+    ("layup", []), ("adpsgd", []),
+    ("layup", ["remote_peer_probability=0.9", "max_remote_backlog=1"])])
+def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm, options):
   """Learning rate 0, every replica its own parameters, 2 processes x 4 devices with their
   threads: gossip (a good share of it between the processes; AD-PSGD's pairwise averages too)
   moves the replicas toward their average and must not move the average itself
-  (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.send_halved`)."""
+  (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.send_halved`).
+  The same holds with peers chosen by process (9 in 10 on the other) and the sends beyond one
+  unmerged there rerouted to a device of the sender's process."""
   port, script = free_port(), ROOT / "tests" / "multiprocess_pushsum.py"
   processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), algorithm,
-                                 "150"], cwd=ROOT, env=environment(4), stdout=subprocess.PIPE,
+                                 "150", *options], cwd=ROOT, env=environment(4), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for k in range(2)]
   try:
     outputs = [process.communicate(timeout=300)[0] for process in processes]
@@ -249,6 +263,12 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   assert result["spread_after"] < 1e-2 * result["spread"]
   assert sum(result["iterations"]) == 1200 and min(result["iterations"]) > 0
   assert result["sends_between_processes"] > 100
+  # Each send carries one stage; each of AD-PSGD's pairwise averages carries one each way.
+  each_way = {"layup": 1, "adpsgd": 2}[algorithm] * result["sends_between_processes"]
+  sizes = result["stage_bytes"]
+  assert min(sizes) * each_way <= result["bytes_between_processes"] <= max(sizes) * each_way
+  if options:  # the bound held back sends that would have crossed
+    assert result["rerouted"] > 0
 
 
 def test_the_launcher_gives_each_process_its_place_and_its_devices():

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from layup_jax import distributed, flops, nonfinite
+from layup_jax import distributed, flops, nonfinite, traffic
 from layup_jax.algorithms.base import init_model
 from layup_jax.data import Dataset, TrainStreams
 from layup_jax.errors import NonFiniteError
@@ -117,7 +117,12 @@ class DDPRuntime:
     # Every process holds the whole (replicated) model: nothing to collect across processes.
     self.stats = RunStats(1, model.num_stages, self._snapshot,
                           lambda: [[1.0] * model.num_stages],
-                          lambda: [self._steps_done] * self.num_devices, timed=False)
+                          lambda: [self._steps_done] * self.num_devices, timed=False,
+                          bytes_sent=lambda: int(self._bytes_per_step * self._steps_run),
+                          identical_processes=jax.process_count())
+    # What each process sends to the others per step (set by `compile`), and the steps it has
+    # run since it was built (a resumed run counts from its resumption, as the gossip's count).
+    self._bytes_per_step, self._steps_run = 0.0, 0
     self.checkpoint = self  # one replicated model: `state_dict` and its kin are the runtime's
 
   def _global_batch(self):
@@ -141,6 +146,7 @@ class DDPRuntime:
         (self.params, self.state, self.opt_state),
     )
     self._step = self._step.lower(*avals, *args, self._key, iteration).compile()
+    self._bytes_per_step = traffic.compiled_share(self._step, jax.process_count())
     self._clock.compile()
     # Every process here before the first step's all-reduce: gloo forms its context then and
     # gives up after 30 s, less than a loaded host's compilation may differ by.
@@ -171,6 +177,7 @@ class DDPRuntime:
           self.params, self.state, self.opt_state, inputs, targets, self._key, iteration
       )
       self._steps_done += 1
+      self._steps_run += 1
       if pending is not None:  # one step of dispatch ahead, as LayUp's default
         self._check(*pending)
       pending = (self._steps_done - 1, loss, finite)

@@ -69,7 +69,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from layup_jax import collectives, optim
+from layup_jax import collectives, optim, traffic
 from layup_jax.algorithms.base import asynchronous_runtime
 from layup_jax.data import Dataset, TrainStreams
 from layup_jax.errors import ConfigError
@@ -433,6 +433,7 @@ class PeriodicAveraging(Hooks):
     like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                         (list(first.params), list(first.state)))
     out = (self._mesh.replicated,) * 5
+    self._shares: dict[bool, float] = {}  # bytes sent to other processes per boundary
     self._sync_steps = {
         outer_now: jax.jit(functools.partial(
             sync_step, like_params=like[0], like_state=like[1], num_devices=total,
@@ -458,9 +459,14 @@ class PeriodicAveraging(Hooks):
     state = self._mesh.stack([list(r.state) for r in replicas])
     learning_rate = self._mesh.replicate(np.float32(1.0))
     anchor = self.state.anchor
+    arguments = (params, state, anchor, anchor, anchor, self.state.outer_state, learning_rate)
     for step in self._sync_steps.values():
-      jax.block_until_ready(step(params, state, anchor, anchor, anchor,
-                                 self.state.outer_state, learning_rate))
+      jax.block_until_ready(step(*arguments))
+    # Across processes, what each process sends per boundary (from the program's all-reduces).
+    if self.links.transport.across_processes:
+      self._shares = {outer_now: traffic.compiled_share(step.lower(*arguments).compile(),
+                                                        jax.process_count())
+                      for outer_now, step in self._sync_steps.items()}
 
   # --- the period boundary ----------------------------------------------------------------------
 
@@ -471,6 +477,7 @@ class PeriodicAveraging(Hooks):
     params = self._mesh.stack([c[0] for c in contributions])
     state = self._mesh.stack([c[1] for c in contributions])
     outer_now = self._outer is not None and (period * self.tau) % self.out_freq == 0
+    self.links.transport.sent.add(self._shares.get(outer_now, 0))
     result, st.anchor, st.outer_state, average_state, st.consensus[period] = (
         self._sync_steps[outer_now](*self._sync_arguments(params, state, period)))
     st.averages[period] = result
