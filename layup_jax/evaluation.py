@@ -50,11 +50,15 @@ class Evaluator:
 
   def evaluate(self, snapshot: Snapshot) -> dict[str, float]:
     params, state = jax.device_put((snapshot.params, snapshot.state), self._device)
-    weights, state_weights = jax.device_put(
-        (np.asarray(snapshot.weights, np.float32), np.asarray(snapshot.state_weights, np.float32)),
-        self._device,
-    )
-    center, center_state, distance = self._consensus(params, state, weights, state_weights)
+    if snapshot.center is not None:  # reduced across processes (`RunStats.collect`)
+      center, center_state = jax.device_put((snapshot.center, snapshot.center_state),
+                                            self._device)
+      distance = snapshot.consensus_distance
+    else:
+      weights, state_weights = jax.device_put(
+          (np.asarray(snapshot.weights, np.float32),
+           np.asarray(snapshot.state_weights, np.float32)), self._device)
+      center, center_state, distance = self._consensus(params, state, weights, state_weights)
     loss, accuracy = self._loss_and_accuracy(center, center_state)
     device0_loss, device0_accuracy = self._loss_and_accuracy(params[0], state[0])
     return {

@@ -5,8 +5,9 @@ One object for every runtime (LayUp's and the baselines' on layup_jax/runtime.py
 the runtime records into it as it trains, the runner reads from it at consistent points. Reads
 of what accumulates (losses, latencies) drain it: each record covers the span since the last.
 Across processes each process holds its own devices' part; `collect` (a collective, every
-process at the same consistent point) brings every part to every process, and the reads then
-cover the whole run until the next `collect`.
+process at the same consistent point) brings every part to every process (the models as their
+push-sum consensus, not replica by replica), and the reads then cover the whole run until the
+next `collect`.
 """
 
 import collections
@@ -14,6 +15,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
+
+import numpy as np
 
 from layup_jax.measurements import mean_or_nan
 from layup_jax.scheduler import Ready, Task, Until, drive
@@ -63,24 +66,39 @@ class RunStats:
 
   def collect(self) -> None:
     """Across processes, brings every process's part to every process (a collective: every
-    process calls it at the same consistent point); in one process, nothing."""
+    process calls it at the same consistent point); in one process, nothing.
+
+    Replicas do not cross: each process sends its per-stage weighted sums (`pushsum.
+    stage_masses`, one model's size) with its weights and scalars, every process forms the
+    consensus from them, then each sends the squared distance of its replicas to it (a
+    scalar). The snapshot read afterwards holds the consensus, the disagreement and device 0's
+    own model (process 0's first device; the runner evaluates on process 0)."""
     if self._gather is None:
       return
-    from layup_jax import crossprocess  # the host copies of device arrays
+    from layup_jax import crossprocess, pushsum  # the host copies of device arrays
 
     snapshot = self._read_snapshot()
-    mine = {"snapshot": {"params": crossprocess.host_tree(snapshot.params),
-                         "state": crossprocess.host_tree(snapshot.state),
-                         "weights": snapshot.weights, "state_weights": snapshot.state_weights},
+    params = crossprocess.host_tree(snapshot.params)
+    state = crossprocess.host_tree(snapshot.state)
+    mine = {"mass": pushsum.stage_masses(params, snapshot.weights),
+            "state_mass": pushsum.stage_masses(state, snapshot.state_weights),
+            "weights": snapshot.weights, "state_weights": snapshot.state_weights,
             "losses": self._drain_losses(), "latencies": self._drain_latencies(),
             "iterations": self._read_iterations(), "skipped": list(self.skipped),
             "remote_latencies": self._drain_remote(), "bytes_sent": self._bytes_sent()}
     parts = self._gather(mine)
     joined = lambda key: [x for part in parts for x in part[key]]
-    fields = ("params", "state", "weights", "state_weights")
+    weights, state_weights = joined("weights"), joined("state_weights")
+    center = pushsum.consensus_of_masses([p["mass"] for p in parts], weights, params[0])
+    center_state = pushsum.consensus_of_masses([p["state_mass"] for p in parts], state_weights,
+                                               state[0])
+    squared = sum(self._gather(pushsum.squared_distances(params, center)))
+    distance = squared / len(weights) / max(pushsum.squared_norm(center),
+                                            float(np.finfo(np.float32).tiny))
     self._collected = {
-        "snapshot": Snapshot(**{f: [x for part in parts for x in part["snapshot"][f]]
-                                for f in fields}),
+        "snapshot": Snapshot(params=[params[0]], state=[state[0]], weights=weights,
+                             state_weights=state_weights, center=center,
+                             center_state=center_state, consensus_distance=distance),
         "losses": joined("losses"), "iterations": joined("iterations"),
         "skipped": joined("skipped"), "remote_latencies": joined("remote_latencies"),
         "bytes_sent": sum(part["bytes_sent"] for part in parts),

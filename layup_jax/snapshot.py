@@ -1,4 +1,5 @@
-"""What the runner evaluates: references to every replica's model at a consistent point."""
+"""What the runner evaluates: references to every replica's model at a consistent point, or,
+across processes, the consensus already reduced from every process's part."""
 
 import dataclasses
 from typing import Any
@@ -19,3 +20,9 @@ class Snapshot:
   state: list[list[PyTree]]
   weights: list[list[float]]  # [replica][stage]
   state_weights: list[list[float]]
+  # Across processes (`RunStats.collect`): the consensus model and statistics and the
+  # replicas' disagreement, reduced from each process's weighted sums; `params` and `state`
+  # then hold device 0's model only (the weights stay every device's).
+  center: list[PyTree] | None = None
+  center_state: list[PyTree] | None = None
+  consensus_distance: float | None = None

@@ -28,7 +28,7 @@ def main() -> None:
                              num_processes=int(processes), process_id=int(process_id))
   import optax
 
-  from layup_jax import pushsum, traffic
+  from layup_jax import traffic
   from layup_jax.algorithms.gossip import ADPSGD, GoSGD
   from layup_jax.algorithms.layup import LayUp
   from tests.helpers import make_layup_runtime
@@ -42,11 +42,10 @@ def main() -> None:
         size=p.shape).astype(np.float32), stage) for stage in replica["params"]]
   runtime.checkpoint.load_state_dict(arrays, meta)
 
-  def average_and_spread():
+  def average_and_spread():  # reduced across the processes from each one's weighted sums
     runtime.stats.collect()
     snapshot = runtime.stats.snapshot()
-    center = pushsum.consensus(snapshot.params, np.asarray(snapshot.weights))
-    return center, float(pushsum.consensus_distance(snapshot.params, center))
+    return snapshot.center, snapshot.consensus_distance
 
   start, spread = average_and_spread()
   runtime.compile()

@@ -1,6 +1,7 @@
 """Push-sum maths: a merge is a weighted mean, and a send conserves each stage's weight and mass."""
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,3 +74,24 @@ def test_a_pairwise_average_as_a_correction_keeps_the_sum_and_a_concurrent_step(
   right = pushsum.toward_average(theirs, theirs, mine)
   chex.assert_trees_all_close(left + right, stepped + theirs)
   chex.assert_trees_all_close(left, jnp.array([2.5, 0.5]))
+
+
+def test_the_consensus_from_each_process_s_weighted_sums_is_the_consensus_of_every_replica():
+  """Across processes only each part's per-stage weighted sums cross (one model's size), then a
+  scalar: the consensus and the disagreement formed from them equal those of all replicas."""
+  rng = np.random.default_rng(0)
+  replicas = [[{"w": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=4)
+                .astype(np.float32)} for _ in range(3)] for _ in range(6)]
+  weights = rng.uniform(0.1, 1.0, size=(6, 3))
+  weights /= weights.sum(axis=0)
+  parts = [(0, 2), (2, 5), (5, 6)]  # three processes of 2, 3 and 1 devices
+  masses = [pushsum.stage_masses(replicas[a:b], weights[a:b]) for a, b in parts]
+  center = pushsum.consensus_of_masses(masses, weights, replicas[0])
+  want = pushsum.consensus(replicas, weights)
+  for got_stage, want_stage in zip(center, want, strict=True):
+    for got, expected in zip(jax.tree.leaves(got_stage), jax.tree.leaves(want_stage)):
+      assert got.dtype == np.float32
+      np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+  squared = sum(pushsum.squared_distances(replicas[a:b], center) for a, b in parts)
+  distance = squared / len(replicas) / pushsum.squared_norm(center)
+  assert distance == pytest.approx(float(pushsum.consensus_distance(replicas, want)), rel=1e-5)

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Checks that scripts/cluster_drill.sh leaves nothing behind: after a normal exit, after SIGINT
+# and SIGTERM mid-run, and after a failing process, no layup_host* namespace, layup_* link or
+# /etc/netns entry remains; it also checks the refusals. The training command is replaced by a
+# stand-in (PYTHON=...) so that the check takes seconds. Needs root.
+#
+#   sudo bash scripts/check_cluster_drill.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ "$(id -u)" = 0 ] || { echo "error: run as root: the drill creates network namespaces" >&2; exit 2; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+printf '#!/bin/bash\nexit 0\n' > "$work/ok"
+printf '#!/bin/bash\nexit 3\n' > "$work/fails"
+printf '#!/bin/bash\nsleep 30\n' > "$work/sleeps"
+chmod +x "$work/ok" "$work/fails" "$work/sleeps"
+failures=0
+
+left_over() {  # prints what the drill left behind, if anything
+  ip netns list | grep -o 'layup_host[0-9]*' || true
+  ip -o link show | grep -o 'layup_[a-z0-9]*' || true
+  ls /etc/netns 2> /dev/null | grep layup_ || true
+}
+check() {  # check NAME EXPECTED_STATUS ACTUAL_STATUS
+  local remains
+  remains=$(left_over | tr '\n' ' ')
+  if [ "$2" != "$3" ] || [ -n "$remains" ]; then
+    echo "FAIL $1: status $3 (expected $2), left behind: ${remains:-nothing}"
+    failures=$((failures + 1))
+  else
+    echo "ok   $1: status $3, nothing left behind"
+  fi
+}
+drill() { bash scripts/cluster_drill.sh --hosts 3 --devices-per-host 1 --rate 20mbit -- x; }
+
+PYTHON="$work/ok" drill > /dev/null 2>&1; check "normal exit" 0 $?
+PYTHON="$work/fails" drill > /dev/null 2>&1; check "a failing process" 3 $?
+for signal in INT TERM; do
+  # In its own process group with SIGINT at its default (a script's background job ignores it).
+  PYTHON="$work/sleeps" python3 -c 'import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.setsid()
+os.execvp("bash", ["bash", "scripts/cluster_drill.sh", "--hosts", "3", "--devices-per-host", "1",
+                   "--rate", "20mbit", "--", "x"])' > /dev/null 2>&1 &
+  pid=$!
+  for _ in $(seq 50); do ip netns pids layup_host2 2> /dev/null | grep -q . && break; sleep 0.1; done
+  kill -"$signal" -- -"$pid"  # the whole process group, as a terminal's Ctrl-C does
+  wait "$pid"; status=$?
+  check "SIG$signal mid-run" $([ "$signal" = INT ] && echo 130 || echo 143) "$status"
+done
+ip netns add layup_host1
+bash scripts/cluster_drill.sh --hosts 2 --devices-per-host 1 -- x 2> "$work/err"; status=$?
+ip netns del layup_host1
+grep -q "namespace layup_host1 exists" "$work/err" && check "refused: namespace exists" 2 $status \
+  || { echo "FAIL refused: namespace exists: $(cat "$work/err")"; failures=$((failures + 1)); }
+bash scripts/cluster_drill.sh --hosts 1 --devices-per-host 1 -- x 2> /dev/null; check "refused: one host" 2 $?
+[ "$failures" = 0 ] && echo "cluster_drill.sh: every check passed" || echo "cluster_drill.sh: $failures failed"
+exit $((failures > 0))
