@@ -46,7 +46,7 @@ class PeerSampler:
     self._rngs = [np.random.default_rng([seed, 1, first + i]) for i in range(count)]
     self._scripted: dict[int, int | None] = {}
     self._local = range(first, first + count)
-    self._remote_probability = (remote_probability if 0 < count < num_devices and count > 1
+    self._remote_probability = (remote_probability if 1 < count < num_devices
                                 else -1.0)  # with no other local or remote device: uniform
 
   def pick(self, i: int) -> int | None:
