@@ -208,6 +208,10 @@ def get_config() -> ml_collections.ConfigDict:
   # (4,062 unshaped), 0.9833 on both; 0.02 and 4 kept 4,346 at 0.9805.
   config.distributed.remote_peer_probability = 0.05
   config.distributed.max_remote_backlog = 4
+  # How gossip sends to other processes travel: "none" (float32 as trained), "bf16" or "int8"
+  # (blockwise scales), each with per-stage error feedback, the push-sum weights exact and the
+  # mass held back returned at every evaluation and checkpoint (layup_jax/compression.py).
+  config.distributed.compression = "none"
   return config
 
 

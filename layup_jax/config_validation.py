@@ -8,7 +8,17 @@ import pathlib
 import ml_collections
 
 from configs import base
-from layup_jax import algorithms, data, models, nonfinite, optim, options, stages, straggler
+from layup_jax import (
+  algorithms,
+  compression,
+  data,
+  models,
+  nonfinite,
+  optim,
+  options,
+  stages,
+  straggler,
+)
 from layup_jax.algorithms import ddp
 from layup_jax.errors import ConfigError
 from layup_jax.models import gpt2
@@ -73,6 +83,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "straggler.mode", straggler.MODES)
   _one_of(config, "baselines.ddp_batch_norm", ddp.BATCH_NORM)
   _one_of(config, "baselines.co2_resume", ("correct", "restart"))
+  _one_of(config, "distributed.compression", compression.CODECS)
 
   pretrained = config.model.pretrained
   if pretrained:

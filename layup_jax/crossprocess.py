@@ -83,18 +83,21 @@ class RemotePeers:
                merge: Callable[[int, int, PyTree, float], None],
                read: Callable[[int, int], PyTree],
                correct: Callable[[int, int, PyTree, PyTree], None], host: str = "",
-               max_in_flight: int = 64, sent: traffic.BytesSent | None = None):
+               max_in_flight: int = 64, sent: traffic.BytesSent | None = None,
+               compressor: Any = None):
     """`process_of[g]`: the process of global device g; this process drives devices
     `first .. first + count - 1` (store indices 0 .. count - 1). `part_template(s)`: the
     pytree of ShapeDtypeStructs of what a send of stage s carries; `merge(j, s, received,
     amount)`: the store's merge into local device j; `read(j, s)` and `correct(j, s, before,
     other)`: the store's reads and pairwise-average corrections (AD-PSGD); `sent` counts the
-    bytes of every offer (each is pulled once, by another process)."""
+    bytes of every offer (each is pulled once, by another process); `compressor`
+    (layup_jax/compression.py) decodes compressed sends."""
     self._client = compat.coordination_client()
     self._me, self._process_of = jax.process_index(), list(process_of)
     self._first, self._count = first, count
     self._template, self._device_of, self._merge = part_template, device_of, merge
     self._read, self._correct = read, correct
+    self._compressor = compressor
     self.max_in_flight = max_in_flight
     self.sent = sent if sent is not None else traffic.BytesSent()
     self._server = start_server(transfer_host(host), count)
@@ -119,16 +122,16 @@ class RemotePeers:
   # --- sending --------------------------------------------------------------------------------
 
   def send(self, peer: int, s: int, part: PyTree, amount: float,
-           stopped: Callable[[], bool]) -> None:
-    """Offers `part` (computed) for `peer`'s process to pull and merge into stage s with the
-    push-sum `amount` (its latency is recorded there, in `latencies`)."""
+           stopped: Callable[[], bool], encoded: bool = False) -> None:
+    """Offers `part` (computed; compressed if `encoded`) for `peer`'s process to pull and merge
+    into stage s with the push-sum `amount` (its latency is recorded there, in `latencies`)."""
     process = self._process_of[peer]
     notice = self._next_notice(process)
     while notice - self.acknowledged(process) > self.max_in_flight:
       if stopped():
         break
       time.sleep(_ACK_POLL_S)
-    self._offer_and_announce(process, notice, peer, s, part, amount)
+    self._offer_and_announce(process, notice, peer, s, part, amount, encoded=encoded)
 
   def _next_notice(self, process: int) -> int:
     """The number of this process's next notice to `process` (counted per receiving process)."""
@@ -137,7 +140,7 @@ class RemotePeers:
       return self._sent[process]
 
   def _offer_and_announce(self, process: int, notice: int, peer: int, s: int, part: PyTree,
-                          amount: float, average: bool = False) -> int:
+                          amount: float, average: bool = False, encoded: bool = False) -> int:
     """Offers `part` under a fresh uuid, then writes notice number `notice` to `process`;
     returns the uuid."""
     offered_at = time.time()
@@ -145,7 +148,7 @@ class RemotePeers:
     self._client.key_value_set(
         self._notice_key(process, self._me, notice),
         json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount,
-                    "offered_at": offered_at, "average": average}))
+                    "offered_at": offered_at, "average": average, "encoded": encoded}))
     return uuid
 
   def _offer(self, part: PyTree) -> int:
@@ -224,9 +227,10 @@ class RemotePeers:
         if received - acknowledged >= _ACK_EVERY:
           acknowledged = self._acknowledge(source, received)
 
-  def _pull(self, source: int, uuid: int, j: int, s: int) -> PyTree:
-    """An announced offer of stage s from process `source`, onto local device j."""
-    template = self._template(s)
+  def _pull(self, source: int, uuid: int, j: int, s: int, encoded: bool = False) -> PyTree:
+    """An announced offer of stage s from process `source`, onto local device j (as it
+    travelled: compressed if `encoded`)."""
+    template = self._compressor.wire_templates[s] if encoded else self._template(s)
     sharding = jax.sharding.SingleDeviceSharding(self._device_of(j))
     specs = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sharding)
              for t in jax.tree.leaves(template)]
@@ -236,7 +240,10 @@ class RemotePeers:
   def _receive_one(self, source: int, notice: dict) -> None:
     """Pulls one announced send onto its device and merges it."""
     j, s = notice["peer"] - self._first, notice["stage"]
-    self._merge(j, s, self._pull(source, notice["uuid"], j, s), float(notice["amount"]))
+    received = self._pull(source, notice["uuid"], j, s, notice["encoded"])
+    if notice["encoded"]:
+      received = self._compressor.decode(s, received)
+    self._merge(j, s, received, float(notice["amount"]))
     self.latencies.append(time.time() - notice["offered_at"])
 
   # --- pairwise averages (AD-PSGD) ------------------------------------------------------------

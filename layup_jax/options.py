@@ -4,7 +4,7 @@ import dataclasses
 
 import ml_collections
 
-from layup_jax import nonfinite, stages, straggler
+from layup_jax import compression, nonfinite, stages, straggler
 
 BN_POLICIES = ("mix", "local")  # config.layup.bn_policy
 PUSH_SUM = ("per_stage", "per_model")  # config.layup.push_sum
@@ -20,6 +20,7 @@ CONFIG_KEYS = {
     "transfer_host": "distributed.transfer_host",
     "remote_peer_probability": "distributed.remote_peer_probability",
     "max_remote_backlog": "distributed.max_remote_backlog",
+    "compression": "distributed.compression",
 }
 
 
@@ -46,11 +47,13 @@ class RuntimeOptions:
   transfer_host: str = ""
   remote_peer_probability: float = 0.05
   max_remote_backlog: int = 4
+  compression: str = "none"
 
   def __post_init__(self):
     for name, choices in (("bn_policy", BN_POLICIES), ("push_sum", PUSH_SUM),
                           ("remat", tuple(stages.REMAT_POLICIES)),
-                          ("nonfinite", nonfinite.POLICIES), ("straggler_mode", straggler.MODES)):
+                          ("nonfinite", nonfinite.POLICIES), ("straggler_mode", straggler.MODES),
+                          ("compression", compression.CODECS)):
       if getattr(self, name) not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
     if not (self.remote_peer_probability == -1.0 or 0.0 <= self.remote_peer_probability <= 1.0):

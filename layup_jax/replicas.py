@@ -145,6 +145,7 @@ class ReplicaStore:
     self.update = jax.jit(step_fn, donate_argnums=(1, 2))
     self.merge_fn = jax.jit(pushsum.merge)
     self._toward_average = jax.jit(pushsum.toward_average)
+    self._add = jax.jit(optax.tree.add)
     base_key = jax.random.key(options.seed)
     self.replicas = [
         Replica(
@@ -376,6 +377,13 @@ class ReplicaStore:
     peer's version, on device i."""
     with self._writing(i, s):
       self._store_mixed_part(i, s, self._toward_average(self._mixed_part(i, s), before, other))
+
+  def add_to_params(self, i: int, s: int, delta: PyTree) -> None:
+    """`x_{i,s} <- x_{i,s} + delta` (params only): compressed sends give back the mass they held
+    out (layup_jax/compression.py), at a consistent point."""
+    with self._locks[i][s]:
+      replica = self.replicas[i]
+      replica.params[s] = self._add(replica.params[s], delta)
 
   def reset(self, i: int, params: Sequence[PyTree], state: Sequence[PyTree] | None) -> None:
     """Device i's model <- given per-stage params and state (a period's result); `state`

@@ -80,7 +80,8 @@ class AsyncRuntime:
     self._threads = Threads(on_failure=lambda: self._budget.close())
     stopped = self._threads.stopped
     self.transport = Transport(self.store, self.first, self.total_devices,
-                               options.transfer_host, stopped, options.max_remote_backlog)
+                               options.transfer_host, stopped, options.max_remote_backlog,
+                               options.compression)
     self.across_processes = self.transport.across_processes
     self.outboxes = [Outbox(self.store, i, self.transport, self.peers.choose,
                             options.max_sends_in_flight) for i in range(self.num_devices)]
@@ -371,6 +372,7 @@ class AsyncRuntime:
       time.sleep(0.001)
     if self.exchange.state is not None:
       self.exchange.state.settle()
+    self.transport.settle()
     self.store.settle()
     on_progress(self._budget.finished)
 

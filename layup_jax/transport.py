@@ -30,9 +30,12 @@ sends are never rerouted.)
 `Transport`: a send of a computed stage (`send`) or AD-PSGD's pairwise average (`average`) to a
 device of this process is a copy to its device and an atomic write of the replica store; to a
 device of another process it goes through that process (layup_jax/crossprocess.py), which merges
-it or answers with its half. The outboxes and the algorithms call this interface only; the runtime
-runs its receiver loops (`loops`) and, at a consistent point, waits until every send to another
-process has been merged there (`quiesce`).
+it or answers with its half. With `compression_codec` a send to another process travels
+compressed, with error feedback (layup_jax/compression.py): encoded when it is posted, so that
+the compressed stage is computed right after the stage, the mass it held back returned at each
+consistent point (`settle`); AD-PSGD's pairwise averages travel as they are. The outboxes and
+the algorithms call this interface only; the runtime runs its receiver loops (`loops`) and, at a
+consistent point, waits until every send to another process has been merged there (`quiesce`).
 """
 
 import collections
@@ -44,7 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from layup_jax import crossprocess, transfer
+from layup_jax import compression, crossprocess, transfer
 from layup_jax.replicas import ReplicaStore
 from layup_jax.scheduler import Ready, Task
 from layup_jax.traffic import BytesSent
@@ -57,23 +60,29 @@ class Transport:
   `first .. first + store.num_devices - 1`)."""
 
   def __init__(self, store: ReplicaStore, first: int, total_devices: int, transfer_host: str,
-               stopped: Callable[[], bool], max_remote_backlog: int = 0):
+               stopped: Callable[[], bool], max_remote_backlog: int = 0,
+               compression_codec: str = "none"):
     """`max_remote_backlog`: from how many unmerged sends to one other process a send there
-    goes to a device of this process instead (`backlogged`; 0: never)."""
+    goes to a device of this process instead (`backlogged`; 0: never). `compression_codec`:
+    how sends to other processes travel (layup_jax/compression.py; "none": as they are)."""
     self._store, self._first, self._stopped = store, first, stopped
     self.max_remote_backlog = max_remote_backlog
     self.rerouted = 0  # sends that went to a device of this process instead of a backlogged one
-    self._remote = None
+    self._remote = self.compressor = None
     # What this process sends to other processes: its gossip, and the periodic algorithms'
     # averages (counted by them, `traffic.compiled_share`).
     self.sent = BytesSent()
     if store.num_devices < total_devices:  # a run across processes
+      if compression_codec != "none":
+        self.compressor = compression.Compressor(
+            compression_codec, [store.part_template(s) for s in range(store.num_stages)],
+            [store.device(j) for j in range(store.num_devices)])
       self._remote = crossprocess.RemotePeers(
           [d.process_index for d in jax.devices()[:total_devices]], first, store.num_devices,
           store.part_template, store.device,
           lambda j, s, received, amount: store.merge(j, s, received, amount, True),
           lambda j, s: store.take(j, s, halve=False)[0], store.correct_toward,
-          host=transfer_host, sent=self.sent)
+          host=transfer_host, sent=self.sent, compressor=self.compressor)
     self.across_processes = self._remote is not None
     # Seconds from offer to merge of each send from another process (None in one process).
     self.latencies = self._remote.latencies if self._remote is not None else None
@@ -94,16 +103,26 @@ class Transport:
     """The run position of this process's device j."""
     return self._first + j
 
+  def encode(self, i: int, peer: int, s: int, part: PyTree, amount: float
+             ) -> tuple[PyTree, bool]:
+    """What a send of device i's stage s to `peer` carries: compressed (and True) when `peer`
+    is another process's device and the run compresses, else `part` (and False)."""
+    if self.compressor is None or self.local(peer) is not None:
+      return part, False
+    return self.compressor.encode(i, s, part, amount), True
+
   def send(self, peer: int, s: int, part: PyTree, amount: float,
-           add_weight: bool) -> PyTree | None:
-    """Mixes the computed `part` into `peer`'s stage s with push-sum `amount` (added to its
-    weight if `add_weight`). Returns what marks the merge as landed, or None when it is timed
-    on the receiving process."""
+           add_weight: bool, encoded: bool = False) -> PyTree | None:
+    """Mixes the computed `part` (`encode`'s, if `encoded`) into `peer`'s stage s with push-sum
+    `amount` (added to its weight if `add_weight`). Returns what marks the merge as landed, or
+    None when it is timed on the receiving process."""
     j = self.local(peer)
     if j is None:
-      self._remote.send(peer, s, part, amount, self._stopped)
+      self._remote.send(peer, s, part, amount, self._stopped, encoded)
       return None
     received = transfer.to_device(part, self._store.device(j))
+    if encoded:  # an encoded send that went to a device of this process (`backlogged`)
+      received = self.compressor.decode(s, received)
     return self._store.merge(j, s, received, amount, add_weight)
 
   def average(self, i: int, peer: int, s: int) -> Task:
@@ -126,6 +145,13 @@ class Transport:
     """Waits until every send to another process has been merged there (nothing in one)."""
     if self._remote is not None:
       self._remote.quiesce(self._stopped)
+
+  def settle(self) -> None:
+    """At a consistent point: compressed sends give back the mass they held out, so the
+    push-sum sums are exact there (nothing without compression)."""
+    if self.compressor is not None:
+      weights = self._store.weights.values
+      self.compressor.settle(lambda i, s: weights[i][s], self._store.add_to_params)
 
   def remote_sends(self) -> int:
     """Sends this process made to other processes' devices."""
@@ -162,7 +188,8 @@ class Outbox:
     self._store, self._sender, self._choose = store, sender, choose
     self._transport = transport
     self.reroute_congested = False
-    # Posted sends: (peer, stage, part, amount, whether the merge adds it, future or None).
+    # Posted sends: (peer, stage, part, amount, whether the merge adds it, future or None,
+    # whether the part is compressed).
     self._pending: collections.deque = collections.deque()
     self._in_flight: collections.deque = collections.deque()  # landed markers, oldest first
     self.max_in_flight = max_in_flight or math.inf
@@ -186,9 +213,10 @@ class Outbox:
     made), else None. Never waits: what is not computed yet goes with a later send or
     `flush`."""
     part, halved = self._store.take(self._sender, s, halve=amount is None)
+    amount = halved if amount is None else amount
+    part, encoded = self._transport.encode(self._sender, peer, s, part, amount)
     merged = Future() if self.watch else None
-    self._pending.append((peer, s, part, halved if amount is None else amount, amount is None,
-                          merged))
+    self._pending.append((peer, s, part, amount, halved is not None, merged, encoded))
     while self._pending and _is_ready(self._pending[0][2]) and self._room():
       self._send(*self._pending.popleft())
     return merged
@@ -209,7 +237,7 @@ class Outbox:
     return len(self._in_flight) < self.max_in_flight
 
   def _send(self, peer: int, s: int, part: PyTree, amount: float, add_weight: bool,
-            watched: Future | None) -> None:
+            watched: Future | None, encoded: bool) -> None:
     """Sends a computed `part` (and room under the bound)."""
     self.sent += 1
     transport = self._transport
@@ -221,7 +249,7 @@ class Outbox:
     j = transport.local(peer)
     if j is not None and self.reroute_congested and add_weight:
       peer += self._uncongested(j) - j
-    landed = self._transport.send(peer, s, part, amount, add_weight)
+    landed = self._transport.send(peer, s, part, amount, add_weight, encoded)
     if landed is None:  # timed on the receiving process (`remote_send_latency_ms`)
       if watched is not None:
         watched.set_result(None)

@@ -12,8 +12,13 @@ coordination service, evaluation's gathers), and the median send latency between
       --algorithms ddp layup --repeats 3 --out cluster.json
   sudo python scripts/bench_cluster.py --algorithms layup \\
       --variant "backlog8 distributed.max_remote_backlog=8" --rates 20mbit
+  sudo python scripts/bench_cluster.py --config configs/fashion_mnist.py --num-steps 0 \\
+      --eval-every 0 --seeds 0 1 2 --repeats 1 --rates 20mbit \\
+      --set metrics.target_accuracy=0.85 --set metrics.stop_at_target=True
 
-A variant is "NAME KEY=VALUE ..." (config overrides), run beside the plain algorithm.
+A variant is "NAME KEY=VALUE ..." (config overrides), run beside the plain algorithm; `--set`
+overrides every run's config; `--num-steps 0` / `--eval-every 0` keep the config's. With a
+target, each run records its time to it (training time, evaluation excluded).
 """
 
 import argparse
@@ -30,16 +35,19 @@ sys.path.insert(0, ROOT)
 from layup_jax import provenance
 
 
-def run(layout: str, rate: str, algorithm: str, overrides: list[str], args, workdir: str) -> dict:
+def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int, args,
+        workdir: str) -> dict:
   hosts, per_host = (int(n) for n in layout.split("x"))
   stats = os.path.join(workdir, "links.json")
   command = ["bash", "scripts/cluster_drill.sh", "--hosts", str(hosts), "--devices-per-host",
              str(per_host), "--stats", stats, *(["--rate", rate] if rate != "unshaped" else []),
              "--", "--config", args.config, "--workdir", workdir,
-             f"--config.algorithm={algorithm}", f"--config.num_steps={args.num_steps}",
-             f"--config.eval_every={args.eval_every}", "--config.checkpoint.enabled=False",
+             f"--config.algorithm={algorithm}", f"--config.seed={seed}",
+             *([f"--config.num_steps={args.num_steps}"] if args.num_steps else []),
+             *([f"--config.eval_every={args.eval_every}"] if args.eval_every else []),
+             "--config.checkpoint.enabled=False",
              "--config.progress_bar=False", f"--config.compilation_cache_dir={args.cache}",
-             *[f"--config.{o}" for o in overrides]]
+             *[f"--config.{o}" for o in [*args.set, *overrides]]]
   result = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
                           capture_output=True, text=True, check=False)
   if result.returncode:
@@ -50,9 +58,11 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], args, work
     links = json.load(f)
   iterations = summary["num_steps"] * summary["num_devices"]
   remote = summary.get("remote_send_latency_ms") or {}
-  return {"layout": layout, "rate": rate, "algorithm": algorithm,
+  return {"layout": layout, "rate": rate, "algorithm": algorithm, "seed": seed,
           "training_s": summary["wall_time_s"], "samples_per_s": summary["train_samples_per_s"],
           "final_accuracy": summary["final_eval_accuracy"],
+          "time_to_target_s": summary.get("time_to_target_s"),
+          "stopped_at_target": summary.get("stopped_at_target", False),
           "counted_bytes_per_iteration":
               summary.get("bytes_between_processes_per_device_iteration"),
           "link_bytes_per_iteration": sum(h["tx_bytes"] for h in links["links"]) / iterations,
@@ -67,8 +77,11 @@ def main() -> None:
                       help='"NAME KEY=VALUE ...": config overrides, run beside the algorithms')
   parser.add_argument("--layouts", nargs="+", default=["2x4"])
   parser.add_argument("--rates", nargs="+", default=["unshaped", "20mbit"])
-  parser.add_argument("--num-steps", type=int, default=150)
-  parser.add_argument("--eval-every", type=int, default=50)
+  parser.add_argument("--num-steps", type=int, default=150, help="0: the config's")
+  parser.add_argument("--eval-every", type=int, default=50, help="0: the config's")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="a config override for every run")
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0])
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "bench_cluster_cc"))
   parser.add_argument("--out", default="bench_cluster.json")
@@ -81,14 +94,15 @@ def main() -> None:
     cases += [(f"{a}:{name}", a, overrides) for a in args.algorithms if a != "ddp"]
   rows = []
   for repeat in range(args.repeats):
-    for layout in args.layouts:
-      for rate in args.rates:
-        for label, algorithm, overrides in cases:
-          with tempfile.TemporaryDirectory() as workdir:
-            row = run(layout, rate, algorithm, overrides, args, workdir)
-          row.update(case=label, repeat=repeat, overrides=overrides)
-          rows.append(row)
-          print(json.dumps(row), flush=True)
+    for seed in args.seeds:
+      for layout in args.layouts:
+        for rate in args.rates:
+          for label, algorithm, overrides in cases:
+            with tempfile.TemporaryDirectory() as workdir:
+              row = run(layout, rate, algorithm, overrides, seed, args, workdir)
+            row.update(case=label, repeat=repeat, overrides=overrides)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
 
   def median(values):
     values = [v for v in values if v is not None]
@@ -101,16 +115,17 @@ def main() -> None:
         mine = [r for r in rows if (r["layout"], r["rate"], r["case"]) == (layout, rate, label)]
         table.append({"layout": layout, "rate": rate, "case": label,
                       **{k: median([r[k] for r in mine]) for k in (
-                          "training_s", "samples_per_s", "final_accuracy",
+                          "training_s", "samples_per_s", "final_accuracy", "time_to_target_s",
                           "counted_bytes_per_iteration", "link_bytes_per_iteration",
                           "send_latency_ms", "send_latency_p90_ms")}})
-  print("\n| case | layout | link | training s | samples/s | final accuracy | counted kB/it | "
-        "link kB/it | send latency ms (median / p90) |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("\n| case | layout | link | training s | samples/s | final accuracy | time to target s | "
+        "counted kB/it | link kB/it | send latency ms (median / p90) |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   fmt = lambda v, spec: "-" if v is None else format(v, spec)
   for t in table:
     print(f"| {t['case']} | {t['layout']} | {t['rate']} | {fmt(t['training_s'], '.1f')} | "
           f"{fmt(t['samples_per_s'], ',.0f')} | {fmt(t['final_accuracy'], '.4f')} | "
+          f"{fmt(t['time_to_target_s'], '.1f')} | "
           f"{fmt(t['counted_bytes_per_iteration'] and t['counted_bytes_per_iteration'] / 1e3, '.1f')} | "
           f"{fmt(t['link_bytes_per_iteration'] / 1e3, '.1f')} | "
           f"{fmt(t['send_latency_ms'], '.0f')} / {fmt(t['send_latency_p90_ms'], '.0f')} |")

@@ -600,6 +600,111 @@ def device_straggler_table(results: pathlib.Path) -> list[str]:
   return lines
 
 
+def several_hosts_tables(results: pathlib.Path) -> list[str]:
+  """The section "Several hosts" from `scripts/bench_cluster.py`'s JSON: `hosts_digits.json`
+  (every algorithm, each layout and link rate) and `hosts_fashion_mnist.json` (time to target
+  on one layout and rate, several seeds), when they exist."""
+  lines = []
+  path = results / "hosts_digits.json"
+  if path.exists():
+    bench = json.loads(path.read_text())
+    args, table = bench["args"], bench["table"]
+    lines += ["", "### Every algorithm across hosts (digits)", "",
+              (f"`sudo python scripts/bench_cluster.py --algorithms {' '.join(args['algorithms'])} "
+               f"--layouts {' '.join(args['layouts'])} --rates {' '.join(args['rates'])} "
+               f"--repeats {args['repeats']}`: {args['num_steps']} steps, evaluation every "
+               f"{args['eval_every']}; medians of {args['repeats']} alternated repeat(s); "
+               f"{bench['measured']}, code {bench['code']}. Each cell: training seconds / final "
+               "accuracy. Bytes per device-iteration: counted by the run between processes "
+               "(layup_jax/traffic.py) and carried by the links at the slowest rate.")]
+    for layout in args["layouts"]:
+      rates = args["rates"]
+      lines += ["", f"**{layout}** (hosts x devices per host)", "",
+                "| algorithm | " + " | ".join(rates) + " | counted kB/it | link kB/it |",
+                "|---" * (len(rates) + 3) + "|"]
+      for case in dict.fromkeys(t["case"] for t in table):
+        cells, counted, link = [], None, None
+        for rate in rates:
+          row = next((t for t in table if (t["case"], t["layout"], t["rate"]) ==
+                      (case, layout, rate)), None)
+          if row is None:
+            cells.append("-")
+            continue
+          cells.append(f"{row['training_s']:.1f} / {row['final_accuracy']:.4f}")
+          counted = row["counted_bytes_per_iteration"]
+          link = row["link_bytes_per_iteration"]
+        name = NAMES.get(case, case)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | "
+                     f"{'-' if counted is None else f'{counted / 1e3:.1f}'} | "
+                     f"{'-' if link is None else f'{link / 1e3:.1f}'} |")
+  path = results / "hosts_fashion_mnist.json"
+  if path.exists():
+    bench = json.loads(path.read_text())
+    args, runs = bench["args"], bench["runs"]
+    target = next((o.split("=", 1)[1] for o in args["set"]
+                   if o.startswith("metrics.target_accuracy=")), "the config's target")
+    lines += ["", "### Time to target across hosts (Fashion-MNIST)", "",
+              (f"`sudo python scripts/bench_cluster.py --config {args['config']} --num-steps "
+               f"{args['num_steps']} --eval-every {args['eval_every']} --algorithms "
+               f"{' '.join(args['algorithms'])} --layouts {' '.join(args['layouts'])} --rates "
+               f"{' '.join(args['rates'])} --seeds {' '.join(map(str, args['seeds']))}"
+               + "".join(f" --set {o}" for o in args["set"]) + "`: the config's 3 epochs, "
+               f"each method with its own searched lr and warm-up (the main table's), seeds "
+               f"{', '.join(map(str, args['seeds']))}; time to test accuracy {target} "
+               "(training time, evaluation excluded; every evaluation counted, nothing "
+               f"interpolated); mean ± std over seeds; {bench['measured']}, code "
+               f"{bench['code']}."), "",
+              ("| algorithm | layout | link | time to target s | reached | final accuracy | "
+               "samples/s | counted kB/it |"), "|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+      groups.setdefault((run["case"], run["layout"], run["rate"]), []).append(run)
+    for (case, layout, rate), group in groups.items():
+      reached = [r["time_to_target_s"] for r in group if r["time_to_target_s"] is not None]
+      counted = [r["counted_bytes_per_iteration"] for r in group
+                 if r["counted_bytes_per_iteration"] is not None]
+      lines.append(
+          f"| {NAMES.get(case, case)} | {layout} | {rate} | {mean_std(reached, 3)} | "
+          f"{len(reached)}/{len(group)} | {mean_std([r['final_accuracy'] for r in group])} | "
+          f"{mean_std([r['samples_per_s'] for r in group], 4)} | "
+          f"{mean_std([c / 1e3 for c in counted], 3)} |")
+    lines += hosts_claim(groups)
+  if not lines:
+    return []
+  return (["", "## Several hosts", "",
+           ("Each host is a network namespace on this machine (`scripts/cluster_drill.sh`): one "
+            "process per host with its devices, the hosts' links shaped with the kernel's token "
+            "bucket at the rate given in both directions (docs/multihost.md, \"Gossip on a slow "
+            "link\").")] + lines)
+
+
+def hosts_claim(groups: dict[tuple, list[dict]]) -> list[str]:
+  """The claim row: across hosts on the slowest link measured, LayUp's mean time to target
+  is at most 0.67 of DDP's with its mean final accuracy at least DDP's - 0.005, every seed of
+  both reaching the target."""
+  rows = []
+  for (case, layout, rate), layup in groups.items():
+    ddp = groups.get(("ddp", layout, rate))
+    if case != "layup" or not ddp:
+      continue
+    times = [[r["time_to_target_s"] for r in g] for g in (layup, ddp)]
+    accuracy = [statistics.mean(r["final_accuracy"] for r in g) for g in (layup, ddp)]
+    if any(t is None for ts in times for t in ts):
+      ratio, holds = None, "does not hold (a seed did not reach the target)"
+    else:
+      ratio = statistics.mean(times[0]) / statistics.mean(times[1])
+      holds = ("holds" if ratio <= 0.67 and accuracy[0] >= accuracy[1] - 0.005
+               else "does not hold")
+    rows.append(f"| across hosts ({layout}, {rate} links) LayUp reaches the target sooner than "
+                f"DDP (time <= 0.67x, accuracy >= DDP's - 0.005) | "
+                f"{'-' if ratio is None else f'{ratio:.3f}'} | {accuracy[0]:.4f} vs "
+                f"{accuracy[1]:.4f} | {holds} |")
+  if not rows:
+    return []
+  return ["", "| claim | LayUp / DDP time to target (means) | final accuracy (means) | verdict |",
+          "|---|---|---|---|", *rows]
+
+
 # Sections in this order (real data first), then any other sweep by name.
 PAGE_ORDER = ("fashion_mnist", "fashion_mnist_stragglers", "fashion_mnist_ablations",
               "fashion_mnist_search", "digits")
@@ -610,7 +715,7 @@ def render(sweeps: dict[str, dict], results: pathlib.Path, out: pathlib.Path) ->
            ("Regenerated by `python scripts/report.py` from `docs/results/` (do not edit by "
             "hand); `bash scripts/reproduce_results.sh` reruns every sweep and benchmark first."),
            "", "Sections: " + ", ".join(f"[{name}](#{name})" for name in sweeps)
-           + ", [Benchmarks](#benchmarks)."]
+           + ", [Several hosts](#several-hosts), [Benchmarks](#benchmarks)."]
   link_dir = str((results / "figures").relative_to(out.parent)) if results.is_relative_to(
       out.parent) else str(results / "figures")
   for name, sweep in sweeps.items():
@@ -619,6 +724,7 @@ def render(sweeps: dict[str, dict], results: pathlib.Path, out: pathlib.Path) ->
       run.setdefault("mode", "host")
     figures = draw_figures(name, sweep, results / "figures", link_dir)
     lines += [""] + sweep_tables(name, sweep, figures)
+  lines += several_hosts_tables(results)
   lines += benchmark_tables(results)
   return "\n".join(lines) + "\n"
 

@@ -7,7 +7,9 @@ The threaded runtime on this process's devices of an 8-device run, learning rate
 replica given its own parameters (drawn from its global position): only gossip moves them, and
 push-sum must keep each stage's weighted average over all processes. Process 0 prints one JSON
 line: the average's relative change, the weight sums, the disagreement before and after, the
-iterations per device (OPTION=VALUE: `RuntimeOptions` fields, as Python literals), the sends that crossed processes and their bytes, and each stage's bytes.
+iterations per device (OPTION=VALUE: `RuntimeOptions` fields, as Python literals), the sends
+that crossed processes and their bytes, each stage's bytes as sent, and with compression the
+average's drift before the mass held back was returned (the run's residuals over the average).
 """
 
 import ast
@@ -48,22 +50,43 @@ def main() -> None:
     return snapshot.center, snapshot.consensus_distance
 
   start, spread = average_and_spread()
+  held = []  # each stage's residual mass on this process, just before it is returned
+  compressor = runtime.transport.compressor
+  if compressor is not None:
+    settle = compressor.settle
+
+    def recording_settle(*args):
+      held[:] = [compressor.residual_mass(s) for s in range(runtime.num_stages)]
+      settle(*args)
+
+    compressor.settle = recording_settle
   runtime.compile()
   runtime.run_until(runtime.num_devices * int(iterations), lambda _: None)
   center, spread_after = average_and_spread()
+  drift = None
+  if compressor is not None:  # the run's residuals (every process's) against the average
+    from layup_jax import distributed
+
+    every = distributed.all_gather_pickled(held)
+    total = jax.tree.map(lambda *parts: sum(parts), *every)
+    drift = float(optax.tree.norm(total) / optax.tree.norm(center))
   sums = runtime.stats.weight_sums()
   per_device = runtime.stats.iterations_per_device()
   crossed = sum(jax.tree.leaves(distributed_sends(runtime)))
   sent = runtime.stats.bytes_between_processes()  # every process's, as of the last collect
-  stage_bytes = [traffic.tree_bytes(jax.tree.leaves(runtime.store.part_template(s)))
-                 for s in range(runtime.num_stages)]
+  templates = (compressor.wire_templates if compressor is not None else
+               [runtime.store.part_template(s) for s in range(runtime.num_stages)])
+  stage_bytes = [traffic.tree_bytes(jax.tree.leaves(t)) for t in templates]
+  float32_bytes = [traffic.tree_bytes(jax.tree.leaves(runtime.store.part_template(s)))
+                   for s in range(runtime.num_stages)]
   runtime.close()
   if jax.process_index() == 0:
     change = float(optax.tree.norm(optax.tree.sub(center, start)) / optax.tree.norm(start))
     print(json.dumps({"relative_change": change, "weight_sums": sums, "spread": spread,
                       "spread_after": spread_after, "iterations": per_device,
                       "sends_between_processes": crossed, "bytes_between_processes": sent,
-                      "stage_bytes": stage_bytes, "rerouted": runtime.transport.rerouted}),
+                      "stage_bytes": stage_bytes, "rerouted": runtime.transport.rerouted,
+                      "stage_bytes_float32": float32_bytes, "compression_drift": drift}),
           flush=True)
 
 

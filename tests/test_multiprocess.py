@@ -239,14 +239,17 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
 
 @pytest.mark.parametrize(("algorithm", "options"), [
     ("layup", []), ("adpsgd", []),
-    ("layup", ["remote_peer_probability=0.9", "max_remote_backlog=1"])])
+    ("layup", ["remote_peer_probability=0.9", "max_remote_backlog=1"]),
+    ("layup", ["remote_peer_probability=0.9", "compression='int8'"])])
 def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm, options):
   """Learning rate 0, every replica its own parameters, 2 processes x 4 devices with their
   threads: gossip (a good share of it between the processes; AD-PSGD's pairwise averages too)
   moves the replicas toward their average and must not move the average itself
   (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.send_halved`).
   The same holds with peers chosen by process (9 in 10 on the other) and the sends beyond one
-  unmerged there rerouted to a device of the sender's process."""
+  unmerged there rerouted to a device of the sender's process, and with the sends between
+  processes compressed to int8: the weights exact, the mass the error feedback held back
+  returned at the end (the average's drift before it was, reported, is the compression's)."""
   port, script = free_port(), ROOT / "tests" / "multiprocess_pushsum.py"
   processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), algorithm,
                                  "150", *options], cwd=ROOT, env=environment(4), stdout=subprocess.PIPE,
@@ -267,8 +270,13 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   each_way = {"layup": 1, "adpsgd": 2}[algorithm] * result["sends_between_processes"]
   sizes = result["stage_bytes"]
   assert min(sizes) * each_way <= result["bytes_between_processes"] <= max(sizes) * each_way
-  if options:  # the bound held back sends that would have crossed
+  if "max_remote_backlog=1" in options:  # the bound held back sends that would have crossed
     assert result["rerouted"] > 0
+  if result["compression_drift"] is not None:  # int8: a quarter of float32's bytes, and scales
+    assert max(sizes) < 0.3 * max(result["stage_bytes_float32"])
+    print(f"int8 sends: the average drifted by {result['compression_drift']:.2e} (relative) "
+          f"before the held mass returned, {result['relative_change']:.2e} after")
+    assert 1e-7 < result["compression_drift"] < 1e-2
 
 
 def test_the_launcher_gives_each_process_its_place_and_its_devices():

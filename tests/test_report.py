@@ -159,3 +159,43 @@ def test_the_straggler_claim_compares_the_times_to_target_under_each_delay():
   assert "final test accuracy" not in rows
   assert ("DDP 80 s (seeds reaching it: 0/1, 1/1, runs ending at the target or at the "
           "schedule's end) | does not hold |") in rows
+
+
+def test_the_several_hosts_section_renders_the_cluster_runs_and_decides_its_claim(tmp_path):
+  """Across hosts, LayUp's claim holds at <= 0.67x DDP's mean time to target with its mean
+  final accuracy >= DDP's - 0.005, and not when either misses (or a seed never reaches it)."""
+  report = _script("report")
+
+  def row(case, seconds, accuracy, tta=None, seed=0, rate="20mbit"):
+    return {"case": case, "layout": "2x4", "rate": rate, "seed": seed, "training_s": seconds,
+            "samples_per_s": 1000.0, "final_accuracy": accuracy, "time_to_target_s": tta,
+            "counted_bytes_per_iteration": 12_500.0, "link_bytes_per_iteration": 25_000.0}
+
+  stamp = {"measured": "2026-11-26, this machine", "code": "abc1234"}
+  digits = {**stamp, "args": {"algorithms": ["ddp", "layup"], "layouts": ["2x4"],
+                              "rates": ["unshaped", "20mbit"], "repeats": 1, "num_steps": 150,
+                              "eval_every": 50},
+            "table": [row("ddp", 39.1, 0.9805, rate="unshaped"), row("ddp", 64.6, 0.9805),
+                      row("layup", 5.9, 0.9861, rate="unshaped"), row("layup", 6.3, 0.9833)]}
+  fashion = {**stamp, "args": {"config": "configs/fashion_mnist.py", "num_steps": 0,
+                               "eval_every": 0, "algorithms": ["ddp", "layup"],
+                               "layouts": ["2x4"], "rates": ["20mbit"], "seeds": [0, 1],
+                               "set": ["metrics.target_accuracy=0.88"]},
+             "runs": [row("ddp", 600, 0.912, 500.0), row("ddp", 610, 0.914, 520.0, seed=1),
+                      row("layup", 200, 0.910, 300.0), row("layup", 210, 0.911, 340.0, seed=1)]}
+  (tmp_path / "hosts_digits.json").write_text(json.dumps(digits))
+  (tmp_path / "hosts_fashion_mnist.json").write_text(json.dumps(fashion))
+  text = "\n".join(report.several_hosts_tables(tmp_path))
+  assert "## Several hosts" in text
+  assert "| DDP | 39.1 / 0.9805 | 64.6 / 0.9805 | 12.5 | 25.0 |" in text
+  assert "| LayUp | 5.9 / 0.9861 | 6.3 / 0.9833 | 12.5 | 25.0 |" in text
+  assert "| LayUp | 2x4 | 20mbit | 320 ± 28 | 2/2 | 0.9105 ± 0.00071 |" in text
+  assert "| 0.627 | 0.9105 vs 0.9130 | holds |" in text  # 320 / 510; 0.0025 below DDP
+  fashion["runs"][2]["final_accuracy"] = 0.900  # 0.0080 below DDP's mean
+  (tmp_path / "hosts_fashion_mnist.json").write_text(json.dumps(fashion))
+  assert "| does not hold |" in "\n".join(report.several_hosts_tables(tmp_path))
+  fashion["runs"][2].update(final_accuracy=0.910, time_to_target_s=None)
+  (tmp_path / "hosts_fashion_mnist.json").write_text(json.dumps(fashion))
+  assert "does not hold (a seed did not reach the target)" in "\n".join(
+      report.several_hosts_tables(tmp_path))
+  assert report.several_hosts_tables(tmp_path / "nothing") == []
