@@ -182,6 +182,10 @@ def get_config() -> ml_collections.ConfigDict:
   # `latency_every`-th iteration of each device (LayUp: the updater waits for the gradient on
   # its own device, a watcher thread for the landing); 0 = not measured.
   config.metrics.latency_every = 20
+  # Every this many seconds each process appends (wall time, its iterations, the step) to
+  # WORKDIR/progress/process_<k>.jsonl: throughput over time, e.g. around a lost process
+  # (scripts/bench_elastic.py); 0 = not written.
+  config.metrics.progress_every_s = 0.0
 
   config.progress_bar = True  # tqdm bar on stderr while training
 

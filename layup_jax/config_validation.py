@@ -107,6 +107,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("model.hidden_size", 1), ("model.num_layers", 1), ("model.dropout", 0),
       ("checkpoint.every", 0), ("checkpoint.keep", 1), ("metrics.target_accuracy", 0),
       ("metrics.target_perplexity", 0), ("metrics.latency_every", 0),
+      ("metrics.progress_every_s", 0),
       ("layup.max_sends_in_flight", 0), ("model.stages_per_group", 1),
       ("distributed.max_remote_backlog", 0),
   ]

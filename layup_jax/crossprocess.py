@@ -112,12 +112,22 @@ class RemotePeers:
     # Per received send: seconds from its offer (the sender's clock) to its merge dispatched
     # here; comparable clocks on one host, an estimate across hosts.
     self.latencies: collections.deque = collections.deque()
+    self.lost: set[int] = set()  # processes declared lost (an elastic run goes on without them)
+
+  def lose(self, process: int) -> None:
+    """Process `process` is lost: nothing more goes to it or waits for it; its receiver loop
+    ends. What was announced to it and not merged is lost with it."""
+    self.lost = self.lost | {process}
 
   def other_processes(self) -> list[int]:
     return sorted({p for p in self._process_of if p != self._me})
 
   def is_remote(self, device: int) -> bool:
     return not self._first <= device < self._first + self._count
+
+  def is_lost(self, device: int) -> bool:
+    """Whether global device `device` belongs to a process declared lost."""
+    return self._process_of[device] in self.lost
 
   # --- sending --------------------------------------------------------------------------------
 
@@ -128,9 +138,11 @@ class RemotePeers:
     process = self._process_of[peer]
     notice = self._next_notice(process)
     while notice - self.acknowledged(process) > self.max_in_flight:
-      if stopped():
+      if stopped() or process in self.lost:
         break
       time.sleep(_ACK_POLL_S)
+    if process in self.lost:  # lost meanwhile: its amount goes with it
+      return
     self._offer_and_announce(process, notice, peer, s, part, amount, encoded=encoded)
 
   def _next_notice(self, process: int) -> int:
@@ -186,17 +198,28 @@ class RemotePeers:
   def quiesce(self, stopped: Callable[[], bool]) -> None:
     """Waits until every notice sent so far is acknowledged (at a consistent point)."""
     for process in self.other_processes():
-      while self.acknowledged(process) < self._sent[process] and not stopped():
+      while (self.acknowledged(process) < self._sent[process] and not stopped()
+             and process not in self.lost):
         time.sleep(_ACK_POLL_S)
 
   # --- receiving ------------------------------------------------------------------------------
 
   def receive(self, source: int, stopped: Callable[[], bool]) -> None:
     """The receiver loop for notices from process `source` (a runtime thread), until
-    `stopped()`: waits for the next notice, then takes every later one already written to its
-    batch in one read, and merges them in order."""
+    `stopped()` or `source` is lost (then a pull from it that fails ends the loop quietly)."""
+    try:
+      self._receive(source, stopped)
+    except Exception:
+      # A pull from a process that died fails at once; in an elastic run it is declared lost
+      # within the watchdog's timeout, and then this loop just ends.
+      if not (source in self.lost or distributed.members.await_loss(source)):
+        raise
+
+  def _receive(self, source: int, stopped: Callable[[], bool]) -> None:
+    """Waits for the next notice, then takes every later one already written to its batch in
+    one read, and merges them in order."""
     received = acknowledged = 0
-    while not stopped():
+    while not stopped() and source not in self.lost:
       key = self._notice_key(self._me, source, received + 1)
       try:
         first = self._client.blocking_key_value_get(
@@ -241,6 +264,8 @@ class RemotePeers:
     """Pulls one announced send onto its device and merges it."""
     j, s = notice["peer"] - self._first, notice["stage"]
     received = self._pull(source, notice["uuid"], j, s, notice["encoded"])
+    if distributed.members.elastic:  # a sender that died mid-pull fails it here, not in a merge
+      received = jax.block_until_ready(received)
     if notice["encoded"]:
       received = self._compressor.decode(s, received)
     self._merge(j, s, received, float(notice["amount"]))
@@ -265,10 +290,20 @@ class RemotePeers:
         theirs_uuid = int(self._client.blocking_key_value_get(reply, _NOTICE_WAIT_MS))
         break
       except Exception as error:  # DEADLINE_EXCEEDED: not answered yet
+        if process in self.lost:  # no answer will come: this side stays as it was
+          return
         if "DEADLINE_EXCEEDED" not in str(error) or stopped():
           raise
     self._client.key_value_delete(reply)
-    self._correct(i, s, mine, self._pull(process, theirs_uuid, i, s))
+    try:  # in an elastic run, waited for here, where a dead peer's failure can be caught
+      theirs = self._pull(process, theirs_uuid, i, s)
+      if distributed.members.elastic:
+        theirs = jax.block_until_ready(theirs)
+    except Exception:
+      if distributed.members.await_loss(process):  # died mid-pull: this side stays as it was
+        return
+      raise
+    self._correct(i, s, mine, theirs)
 
   def _answer_average(self, source: int, notice: dict) -> None:
     """The peer's side of `average`: offers its version as read now, then pulls the

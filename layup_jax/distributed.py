@@ -71,14 +71,18 @@ def settings(config: ml_collections.ConfigDict) -> Settings | None:
   return Settings(address, config.num_processes, config.process_id, config.heartbeat_timeout_s)
 
 
-def initialize(config: ml_collections.ConfigDict) -> bool:
+def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> bool:
   """Joins the distributed run `config` describes (before any backend use); False when the run
-  is a single process. Idempotent."""
+  is a single process. Idempotent. `recoverable` (gossip runs): JAX's runtime lets the other
+  processes go on when one dies, and lets it join again (`jax_enable_recoverability`;
+  docs/elastic.md), where by default every process is aborted."""
   chosen = settings(config)
   if chosen is None:
     return False
   if jax.distributed.is_initialized():
     return True
+  if recoverable:
+    jax.config.update("jax_enable_recoverability", True)
   jax.distributed.initialize(
       coordinator_address=chosen.coordinator_address,
       num_processes=chosen.num_processes,
@@ -142,17 +146,107 @@ _gathers = itertools.count()  # every process gathers in the same order: the n-t
 _pickled_keys: list[str] = []  # this process's keys of its recent `all_gather_pickled` calls
 
 
+class Membership:
+  """Which processes of the run are lost (an elastic gossip run goes on without them).
+
+  Process 0, which hosts the coordination service, is the one authority: its watchdog declares
+  a silent process lost (`declare`, a key `layup_jax/lost/<k>` holding the step), every
+  process's watchdog reads those keys (`refresh`) and calls its listeners once per lost
+  process. A gather between processes then takes the live ones only, with process 0 naming
+  each gather's members, so that every survivor reads the same set even when a process dies
+  mid-gather."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.elastic = False  # set by the watchdog of a gossip run across processes
+    self.lost: dict[int, int] = {}  # process -> the step at which it was declared lost
+    self._listeners: list = []
+    self.step = 0  # the run's step as this process last saw it (the runner's progress)
+    # How long a thread that lost contact with a process waits for it to be declared lost
+    # before it fails (set by the watchdog of an elastic run).
+    self.grace_s = 0.0
+
+  def await_loss(self, process: int) -> bool:
+    """Whether `process` is declared lost within `grace_s` (a pull from it just failed)."""
+    deadline = time.monotonic() + self.grace_s
+    while not self.is_lost(process) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    return self.is_lost(process)
+
+  def listen(self, on_lost) -> None:
+    """Calls `on_lost(process, step)` for each process found lost from now on (and those
+    already found)."""
+    with self._lock:
+      self._listeners.append(on_lost)
+      known = dict(self.lost)
+    for process, step in known.items():
+      on_lost(process, step)
+
+  def live(self) -> list[int]:
+    with self._lock:
+      return [k for k in range(jax.process_count()) if k not in self.lost]
+
+  def is_lost(self, process: int) -> bool:
+    with self._lock:
+      return process in self.lost
+
+  def declare(self, client, process: int, step: int) -> None:
+    """Process 0: `process` is lost at `step` (then every process learns it by `refresh`)."""
+    client.key_value_set(f"layup_jax/lost/{process}", str(step), allow_overwrite=True)
+    self.refresh(client)
+
+  def refresh(self, client) -> list[tuple[int, int]]:
+    """Reads the lost keys; calls the listeners for each process newly found lost."""
+    found = [(int(key.rsplit("/", 1)[1]), int(value))
+             for key, value in client.key_value_dir_get("layup_jax/lost/")]
+    with self._lock:
+      new = [(k, step) for k, step in found if k not in self.lost]
+      self.lost.update(new)
+      listeners = list(self._listeners)
+    for process, step in new:
+      for on_lost in listeners:
+        on_lost(process, step)
+    return new
+
+
+members = Membership()
+
+
+def _read_gather(client, prefix: str) -> list[bytes]:
+  """The values gather `prefix` holds, in process order: every process's, or in an elastic run
+  those of the processes process 0 names (every live process that wrote its value; one lost
+  before writing it is left out), so that every survivor reads the same set."""
+  def read(k: int, timeout_ms: int = _GATHER_TIMEOUT_MS) -> bytes:
+    return client.blocking_key_value_get_bytes(f"{prefix}/{k}", timeout_ms)
+
+  if not members.elastic:
+    return [read(k) for k in range(jax.process_count())]
+  if jax.process_index() != 0:
+    names = json.loads(client.blocking_key_value_get(f"{prefix}/members", _GATHER_TIMEOUT_MS))
+    return [read(k) for k in names]
+  values: dict[int, bytes] = {}
+  for k in range(jax.process_count()):
+    while not members.is_lost(k):
+      try:
+        values[k] = read(k, 1000)
+        break
+      except Exception as error:  # DEADLINE_EXCEEDED: not yet written
+        if "DEADLINE_EXCEEDED" not in str(error):
+          raise
+  client.key_value_set(f"{prefix}/members", json.dumps(sorted(values)))
+  return [values[k] for k in sorted(values)]
+
+
 def all_gather_json(value) -> list:
   """Every process's `value` (JSON-serializable), in process order, through the coordination
   service's key-value store (no device collective); every process must call it, in the same
-  order."""
+  order. In an elastic run, the live processes' values only (`members`)."""
   if jax.process_count() == 1:
     return [value]
   client = compat.coordination_client()
   prefix = f"layup_jax/gather/{next(_gathers)}"
-  client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(value))
-  return [json.loads(client.blocking_key_value_get(f"{prefix}/{k}", _GATHER_TIMEOUT_MS))
-          for k in range(jax.process_count())]
+  client.key_value_set_bytes(f"{prefix}/{jax.process_index()}", json.dumps(value).encode())
+  return [json.loads(part) for part in _read_gather(client, prefix)]
 
 
 def all_gather_pickled(value) -> list:
@@ -164,8 +258,7 @@ def all_gather_pickled(value) -> list:
   prefix = f"layup_jax/gather/{next(_gathers)}"
   mine = f"{prefix}/{jax.process_index()}"
   client.key_value_set_bytes(mine, pickle.dumps(value))
-  parts = [pickle.loads(client.blocking_key_value_get_bytes(f"{prefix}/{k}", _GATHER_TIMEOUT_MS))
-           for k in range(jax.process_count())]
+  parts = [pickle.loads(part) for part in _read_gather(client, prefix)]
   # Our key of two gathers ago has been read by all: each process wrote its key of the last
   # gather only after reading every key of the one before, and we have read those.
   _pickled_keys.append(mine)
@@ -184,8 +277,13 @@ def data_states(iterators, devices) -> list:
   return [merged[str(i)] for i in range(len(iterators))]
 
 
+_FAREWELL_S = 120.0  # how long process 0 of an elastic run waits for the others at the end
+_FAREWELL_GRACE_S = 1.0  # and then, for their last word to the service
+
+
 class Watchdog:
-  """Ends this process with one line when another process of the run stops answering.
+  """Ends this process with one line when another process of the run stops answering, or, in
+  an elastic run (gossip), has process 0 declare it lost and trains on without it.
 
   Each process's watchdog thread writes a counter to the coordination service's key-value
   store every second and reads the others'. A process whose counter has not moved for
@@ -194,14 +292,24 @@ class Watchdog:
   once: a collective with a dead peer would otherwise wait, and JAX's own heartbeat, set
   longer, would abort the process without saying which one. A process that finished says so
   and is not waited for. Losing the coordinator (process 0) is reported the same way.
+
+  `elastic`: a silent process other than 0 is not fatal: process 0 declares it lost
+  (`Membership`) and says so in one line; every process reads the declarations each period.
   """
 
   EXIT_STATUS = 4
 
-  def __init__(self, timeout_s: float, period_s: float = 1.0):
+  def __init__(self, timeout_s: float, period_s: float = 1.0, elastic: bool = False):
     self._client = compat.coordination_client()
     self._me, self._count = jax.process_index(), jax.process_count()
     self._timeout_s, self._period_s = timeout_s, period_s
+    self._elastic = members.elastic = elastic
+    if elastic:  # a never-seen process is given 3x the timeout, then process 0 declares it
+      members.grace_s = 3 * timeout_s + 2 * period_s
+    if elastic and self._me == 0:
+      print("elastic gossip: a lost process other than 0 is left behind and the others train "
+            "on; process 0 hosts the run's coordination service, so its loss stops every "
+            "process (rerun to resume from the last checkpoint)", file=sys.stderr, flush=True)
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
     self._thread.start()
@@ -217,20 +325,41 @@ class Watchdog:
       try:
         beat += 1
         self._client.key_value_set(self._key("alive", self._me), str(beat), allow_overwrite=True)
+        if self._elastic:
+          members.refresh(self._client)
+          if members.is_lost(self._me):  # declared lost (silent too long): fenced off
+            self._die(f"process 0 declared this process lost at step {members.lost[self._me]} "
+                      f"(silent for more than {self._timeout_s:g} s)",
+                      "The others train on without it")
         for k in range(self._count):
-          if k == self._me or self._exists(self._key("done", k)):
+          if k == self._me or members.is_lost(k) or self._exists(self._key("done", k)):
             continue
           value = self._value(self._key("alive", k))
           if value is not None and value != seen[k][0]:
             seen[k] = (value, now)
-          if now - seen[k][1] > self._timeout_s:
-            self._die(f"process {k} of the run stopped answering for {self._timeout_s:g} s "
-                      f"(it died, or lost the coordinator)")
+          # A process not seen yet may still be starting (a loaded host): 3x the time.
+          limit = self._timeout_s * (1 if seen[k][0] is not None else 3)
+          if now - seen[k][1] > limit:
+            self._silent(k)
       except Exception as error:  # noqa: BLE001 - the coordination service itself is gone
         if self._stop.is_set():
           return
         self._die(f"lost the run's coordinator, process 0 ({type(error).__name__}: "
                   f"{(str(error).splitlines() or [''])[0][:160]})")
+
+  def _silent(self, k: int) -> None:
+    """Process k has not answered for `timeout_s`."""
+    if not self._elastic or k == 0:
+      self._die(f"process {k} of the run stopped answering for {self._timeout_s:g} s "
+                f"(it died, or lost the coordinator)")
+    if self._me != 0:
+      return  # process 0 decides (and says so); its own silence is fatal here
+    step = members.step
+    members.declare(self._client, k, step)
+    live = set(members.live())
+    devices = sum(1 for d in jax.devices() if d.process_index in live)
+    print(f"process {k} lost at step {step}; {devices} devices train on", file=sys.stderr,
+          flush=True)
 
   def _value(self, key: str) -> str | None:
     try:
@@ -243,14 +372,33 @@ class Watchdog:
   def _exists(self, key: str) -> bool:
     return self._value(key) is not None
 
-  def _die(self, why: str) -> None:
-    print(f"error: {why}; process {self._me} stops. Rerun the same command on every process to "
-          f"resume from the last checkpoint", file=sys.stderr, flush=True)
+  def _die(self, why: str, then: str = "Rerun the same command on every process to resume "
+                                        "from the last checkpoint") -> None:
+    print(f"error: {why}; process {self._me} stops. {then}", file=sys.stderr, flush=True)
     os._exit(self.EXIT_STATUS)
 
   def finish(self) -> None:
-    """This process is done (or failed on its own): the others stop waiting for it."""
+    """This process is done (or failed on its own): the others stop waiting for it.
+
+    In an elastic run JAX keeps no shutdown barrier (recoverability), so process 0, which
+    hosts the coordination service, would leave while another process still uses it, and
+    that one's client aborts it (found: the last process of a finished run ended by SIGABRT).
+    So the others leave JAX's runtime right after saying they are done, and process 0 waits
+    for every live process's word (at most `_FAREWELL_S`) and a moment more."""
     self._stop.set()
     self._thread.join(timeout=5)
     with contextlib.suppress(Exception):  # the service may be gone already: nothing to tell
       self._client.key_value_set(self._key("done", self._me), "1", allow_overwrite=True)
+    if not self._elastic:
+      return
+    if self._me != 0:
+      with contextlib.suppress(Exception):
+        jax.distributed.shutdown()
+      return
+    deadline = time.monotonic() + _FAREWELL_S
+    with contextlib.suppress(Exception):
+      while time.monotonic() < deadline and not all(
+          self._exists(self._key("done", k)) or members.is_lost(k) for k in range(self._count)):
+        members.refresh(self._client)
+        time.sleep(0.1)
+    time.sleep(_FAREWELL_GRACE_S)

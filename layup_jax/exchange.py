@@ -48,6 +48,11 @@ class PeerSampler:
     self._local = range(first, first + count)
     self._remote_probability = (remote_probability if 1 < count < num_devices
                                 else -1.0)  # with no other local or remote device: uniform
+    self._lost: frozenset[int] = frozenset()  # devices of lost processes (an elastic run)
+
+  def lose(self, devices) -> None:
+    """Peers are drawn among the other devices from now on (their process is lost)."""
+    self._lost = self._lost | frozenset(devices)
 
   def pick(self, i: int) -> int | None:
     """Device i's next peer, or None when there is none (one device, or gossip off)."""
@@ -56,6 +61,8 @@ class PeerSampler:
     if self.num_devices == 1 or not self.gossip:
       return None
     me, rng = self.first + i, self._rngs[i]
+    if self._lost:
+      return self._pick_live(me, rng)
     if self._remote_probability >= 0:
       local = self._local
       if rng.random() < self._remote_probability:  # one of the other processes' devices
@@ -65,6 +72,17 @@ class PeerSampler:
       return j if j < me else j + 1
     j = int(rng.integers(self.num_devices - 1))
     return j if j < me else j + 1
+
+  def _pick_live(self, me: int, rng: np.random.Generator) -> int | None:
+    """`pick` among the devices not lost: the same rule, over the live ones."""
+    local = [j for j in self._local if j != me]
+    remote = [j for j in range(self.num_devices)
+              if j not in self._lost and j not in self._local]
+    if self._remote_probability >= 0 and local and remote:
+      group = remote if rng.random() < self._remote_probability else local
+    else:
+      group = local + remote
+    return group[int(rng.integers(len(group)))] if group else None
 
   def choose(self, i: int, candidates: list[int]) -> int:
     """One of `candidates`, uniformly, from device i's RNG."""

@@ -9,7 +9,9 @@ On CPU each process gets `--devices-per-process` fake devices (`num_devices` cou
 them); on GPUs a process takes the GPUs it sees (give each its own with CUDA_VISIBLE_DEVICES
 when starting processes by hand; on a cluster start one process per host or per GPU with the
 same keys, see the README). Process 0's output is shown as is, the others' prefixed `[pK]`.
-When one process fails, the others are stopped and the launcher exits with its status.
+When one process fails, the others are stopped and the launcher exits with its status; with
+`--keep-going`, a process other than 0 that fails is reported and the others go on (a gossip
+run trains on without it, docs/elastic.md; a DDP or periodic run stops itself in one line).
 """
 
 import argparse
@@ -55,8 +57,11 @@ def _relay(process: subprocess.Popen, prefix: str) -> None:
     sys.stdout.flush()
 
 
-def run(processes: int, devices_per_process: int, train_args: list[str]) -> int:
-  """Runs the processes to the end; the first failure's exit status (0 when all succeed)."""
+def run(processes: int, devices_per_process: int, train_args: list[str],
+        keep_going: bool = False) -> int:
+  """Runs the processes to the end; the first failure's exit status (0 when all succeed).
+  `keep_going`: a failed process other than 0 does not stop the others (reported in one line;
+  the launcher's status is then process 0's, or a later failure's)."""
   env = environment(devices_per_process)
   children = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1)
@@ -73,24 +78,31 @@ def run(processes: int, devices_per_process: int, train_args: list[str]) -> int:
 
   signal.signal(signal.SIGINT, forward)
   signal.signal(signal.SIGTERM, forward)
-  status = 0
+  status, reported = 0, set()
   while [child.poll() for child in children].count(None):  # polls each (any() would stop early)
-    failed = [(k, c.returncode) for k, c in enumerate(children) if c.returncode not in (None, 0)]
-    if failed and not status:
-      k, code = failed[0]
-      status = _shell_status(code)
+    failed = [(k, c.returncode) for k, c in enumerate(children)
+              if c.returncode not in (None, 0) and k not in reported]
+    for k, code in failed:
+      reported.add(k)
       how = (f"was killed by {signal.Signals(-code).name}" if code < 0
              else f"exited with status {code}")
-      print(f"launch: process {k} {how}; stopping the others (rerun the same command to resume "
-            f"from the last checkpoint)", file=sys.stderr, flush=True)
-      for child in children:
-        if child.poll() is None:
-          child.kill()
+      if keep_going and k != 0:
+        print(f"launch: process {k} {how}; the others go on (--keep-going)", file=sys.stderr,
+              flush=True)
+        continue
+      if not status:
+        status = _shell_status(code)
+        print(f"launch: process {k} {how}; stopping the others (rerun the same command to "
+              f"resume from the last checkpoint)", file=sys.stderr, flush=True)
+        for child in children:
+          if child.poll() is None:
+            child.kill()
     time.sleep(0.1)
   for relay in relays:
     relay.join(timeout=5)
   if not status:
-    status = next((_shell_status(c.returncode) for c in children if c.returncode), 0)
+    kept = children[:1] if keep_going else children  # lost processes were reported already
+    status = next((_shell_status(c.returncode) for c in kept if c.returncode), 0)
   return status
 
 
@@ -101,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--processes", type=int, required=True)
   parser.add_argument("--devices-per-process", type=int, default=4,
                       help="fake CPU devices per process (CPU runs only)")
+  parser.add_argument("--keep-going", action="store_true",
+                      help="a process other than 0 that fails does not stop the others (a "
+                           "gossip run trains on without it)")
   parser.add_argument("train_args", nargs=argparse.REMAINDER)
   args = parser.parse_args(argv)
   train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
@@ -108,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.error("--processes and --devices-per-process must be >= 1")
   if not train_args:
     parser.error("give the train arguments after --, e.g. -- --config configs/digits.py")
-  sys.exit(run(args.processes, args.devices_per_process, train_args))
+  sys.exit(run(args.processes, args.devices_per_process, train_args, args.keep_going))
 
 
 if __name__ == "__main__":

@@ -131,6 +131,12 @@ class PushSumWeights:
   def add(self, receiver: int, s: int, sent: float) -> None:
     self.values[receiver][s] += sent
 
+  def rescale(self, factors: Sequence[float]) -> None:
+    """`w_{i,s} <- factors[s] w_{i,s}` for every device (at a consistent point: nothing in
+    flight carries weight)."""
+    for row in self.values:
+      row[:] = [w * f for w, f in zip(row, factors)]
+
   def sums(self) -> list[float]:
     """The weight sum of each stage (1 while no weight is lost)."""
     return [float(sum(column)) for column in zip(*self.values)]

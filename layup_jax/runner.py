@@ -3,7 +3,9 @@
 The only orchestrator: it never looks at which algorithm runs; each one is a `Runtime`.
 """
 
+import contextlib
 import dataclasses
+import json
 import math
 import pathlib
 import sys
@@ -37,13 +39,40 @@ from layup_jax.metrics import MetricsWriter
 
 @dataclasses.dataclass
 class _Progress:
-  """A tqdm bar in global steps (device iterations / M)."""
+  """A tqdm bar in global steps (device iterations / M), and with `log` this process's
+  iterations over time (`metrics.progress_every_s`)."""
 
   bar: tqdm.tqdm
   num_devices: int
+  log: "ProgressLog | None" = None
 
   def __call__(self, iterations: int) -> None:
-    self.bar.update(iterations // self.num_devices - self.bar.n)
+    step = iterations // self.num_devices
+    distributed.members.step = step  # the step a lost process is declared at
+    self.bar.update(step - self.bar.n)
+    if self.log is not None:
+      self.log.write(iterations, step)
+
+
+class ProgressLog:
+  """Appends `{"t", "iterations", "step"}` to WORKDIR/progress/process_<k>.jsonl at most every
+  `every_s` seconds (each process its own file: the workdir is shared)."""
+
+  def __init__(self, workdir: pathlib.Path, every_s: float):
+    directory = workdir / "progress"
+    directory.mkdir(parents=True, exist_ok=True)
+    self._file = (directory / f"process_{jax.process_index()}.jsonl").open("a")
+    self._every_s, self._last = every_s, 0.0
+
+  def write(self, iterations: int, step: int) -> None:
+    now = time.time()
+    if now - self._last >= self._every_s:
+      self._last = now
+      self._file.write(json.dumps({"t": now, "iterations": iterations, "step": step}) + "\n")
+      self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
 
 
 def eval_steps(num_steps: int, eval_every: int) -> list[int]:
@@ -232,13 +261,15 @@ class Session:
                           desc=f"{self.config.algorithm} x{self.config.num_devices}", unit="step",
                           disable=not (self.config.progress_bar and self.primary),
                           file=sys.stderr, dynamic_ncols=True)
-    with self._bar:
+    every_s = self.config.metrics.get("progress_every_s", 0.0)
+    log = ProgressLog(self.workdir, every_s) if every_s else None
+    progress = _Progress(self._bar, self.per_step, log)
+    with self._bar, contextlib.closing(log) if log else contextlib.nullcontext():
       for target in sorted(s for s in due if s > self.start_step):
         if stop_now():
           break
         started = time.perf_counter()
-        self.runtime.run_until(target * self.per_step, _Progress(self._bar, self.per_step),
-                               stop_within)
+        self.runtime.run_until(target * self.per_step, progress, stop_within)
         self.train_time += time.perf_counter() - started
         step = self.runtime.iterations_done() // self.per_step
         if step < target:
@@ -329,6 +360,13 @@ class Session:
   def save(self, step: int) -> None:
     """A checkpoint at `step` (once); the time training waits for it counts as training time."""
     if step == self._saved_step:
+      return
+    if getattr(self.runtime, "processes_lost", False):
+      if self._saved_step != -1 and self.primary:
+        print(f"checkpoints stop at step {step}: a process was lost, and a checkpoint holds every "
+              f"process's replicas (a rerun resumes from the last one before the loss)",
+              file=sys.stderr, flush=True)
+      self._saved_step = -1
       return
     self._saved_step = step
     started = time.perf_counter()

@@ -83,6 +83,11 @@ class AsyncRuntime:
                                options.transfer_host, stopped, options.max_remote_backlog,
                                options.compression)
     self.across_processes = self.transport.across_processes
+    # An elastic run (gossip across processes) trains on when a process is lost: set at the
+    # first consistent point that finds one (every survivor finds it at the same one).
+    self.processes_lost = False
+    if self.across_processes:
+      distributed.members.listen(self._on_lost)
     self.outboxes = [Outbox(self.store, i, self.transport, self.peers.choose,
                             options.max_sends_in_flight) for i in range(self.num_devices)]
     self.exchange = make_exchange(Links(self.store, self.outboxes, self.peers, options,
@@ -374,7 +379,26 @@ class AsyncRuntime:
       self.exchange.state.settle()
     self.transport.settle()
     self.store.settle()
+    if self.across_processes and distributed.members.elastic:
+      self._renormalise()
     on_progress(self._budget.finished)
+
+  def _on_lost(self, process: int, step: int) -> None:
+    """Process `process` is lost (its watchdog thread says so): nothing goes to its devices or
+    waits for them from now on."""
+    self.transport.lose(process)
+    self.peers.lose([g for g, device in enumerate(self.run_devices)
+                     if device.process_index == process])
+
+  def _renormalise(self) -> None:
+    """At a consistent point of an elastic run: once a process is lost, the survivors divide
+    each stage's push-sum weights by the stage's total over them, so that they sum to 1 again
+    and the push-sum average is the survivors' (the lost process's weight, and the amounts in
+    flight to it, went with it)."""
+    parts = distributed.all_gather_json(self.store.weights.sums())
+    if len(parts) < jax.process_count():
+      self.processes_lost = True
+      self.store.weights.rescale([1.0 / sum(column) for column in zip(*parts)])
 
   def iterations_done(self) -> int:
     return self._budget.finished

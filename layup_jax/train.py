@@ -20,7 +20,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from layup_jax import distributed, runner
+from layup_jax import algorithms, distributed, runner
 from layup_jax.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
@@ -94,8 +94,11 @@ def main(argv: list[str]) -> None:
     _fail_config_file(error)
   stop, watchdog = StopRequest(), None
   try:
-    if distributed.initialize(config.distributed):  # before anything touches a JAX backend
-      watchdog = distributed.Watchdog(config.distributed.heartbeat_timeout_s)
+    # A gossip run goes on when a process other than 0 is lost (docs/elastic.md).
+    elastic = algorithms.get(config.algorithm).gossip if config.algorithm in algorithms.names() \
+        else False
+    if distributed.initialize(config.distributed, recoverable=elastic):  # before any backend use
+      watchdog = distributed.Watchdog(config.distributed.heartbeat_timeout_s, elastic=elastic)
     stop.install()  # after: JAX's preemption notifier would take SIGTERM otherwise
     summary = runner.run(config, _WORKDIR.value, should_stop=stop)
   except UserError as error:

@@ -94,6 +94,15 @@ class Transport:
       return False
     return self._remote.backlog(peer) >= self.max_remote_backlog
 
+  def lose(self, process: int) -> None:
+    """An elastic run goes on without `process` (layup_jax/distributed.py `Membership`)."""
+    if self._remote is not None:
+      self._remote.lose(process)
+
+  def is_lost(self, peer: int) -> bool:
+    """Whether `peer` is a device of a process declared lost."""
+    return self._remote is not None and self._remote.is_lost(peer)
+
   def local(self, peer: int) -> int | None:
     """`peer`'s index in this process's store, or None if it is another process's device."""
     j = peer - self._first
@@ -241,7 +250,8 @@ class Outbox:
     """Sends a computed `part` (and room under the bound)."""
     self.sent += 1
     transport = self._transport
-    if add_weight and transport.backlogged(peer):  # the link's queue is full: a local peer
+    if add_weight and (transport.is_lost(peer) or transport.backlogged(peer)):
+      # Its process is lost, or the link's queue to it is full: a device of this process.
       others = [k for k in range(self._store.num_devices) if k != self._sender]
       if others:
         peer = transport.global_position(self._choose(self._sender, others))

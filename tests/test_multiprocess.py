@@ -4,6 +4,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -320,3 +321,48 @@ def test_a_transfer_server_that_cannot_start_is_one_line():
   with pytest.raises(ConfigError, match=r"did not start on 10\.255\.255\.1 .*Cannot assign "
                                         r"requested address.*config.distributed.transfer_host"):
     crossprocess.start_server("10.255.255.1", 1)
+
+
+def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):
+  """3 processes x 2 devices (gossip across processes on either side of the loss), LayUp on the
+  digits, started by the launcher with --keep-going: process 2 is SIGKILLed at ~40 % of the run;
+  processes 0 and 1 do not exit, train to the end and reach >= 0.95; the survivors' per-stage
+  weights sum to 1 within 1e-9 after renormalisation; process 0's log names the lost process
+  once, at a step after the kill."""
+  settings = {"algorithm": "layup", "num_steps": 150, "eval_every": 30, "progress_bar": False,
+              "distributed.heartbeat_timeout_s": 5}
+  work = tmp_path / "elastic"
+  command = [sys.executable, "-m", "layup_jax.launch", "--processes", "3",
+             "--devices-per-process", "2", "--keep-going", "--", "--config", "configs/digits.py",
+             "--workdir", str(work), "--config.num_devices=6", *_overrides(settings)]
+  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 600
+    while not any(r["step"] >= 60 and r["split"] == "test" for r in _records(work)):
+      assert launcher.poll() is None, launcher.communicate()[0][-3000:]
+      assert time.monotonic() < deadline, "no evaluation at step 60"
+      time.sleep(0.2)
+    victim = subprocess.run(["pgrep", "-f", f"workdir {work} .*process_id=2"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert len(victim) == 1, victim
+    os.kill(int(victim[0]), signal.SIGKILL)
+    output = launcher.communicate(timeout=600)[0]
+  finally:
+    launcher.kill()
+  assert launcher.returncode == 0, output[-3000:]
+  assert "launch: process 2 was killed by SIGKILL; the others go on (--keep-going)" in output
+  assert output.count("process 2 lost at step") == 1, output[-3000:]
+  lost_at = int(re.search(r"process 2 lost at step (\d+); 4 devices train on", output)[1])
+  assert 60 <= lost_at < 150  # after the kill, not before
+  summary = json.loads((work / "summary.json").read_text())
+  assert summary["final_eval_accuracy"] >= 0.95
+  assert summary["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
+  assert summary["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
+
+
+def _records(work) -> list[dict]:
+  try:
+    return read_metrics(work)
+  except (FileNotFoundError, json.JSONDecodeError):
+    return []

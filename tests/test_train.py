@@ -42,6 +42,19 @@ def test_a_run_writes_metrics_and_summary_and_learns(tiny_config, tmp_path, algo
   assert [step for step, _ in events["train/device_samples_per_s/3"]] == [10, 20]
 
 
+def test_progress_over_time_is_written_when_asked(tiny_config, tmp_path):
+  """`metrics.progress_every_s`: this process's iterations over wall time, growing to the end."""
+  tiny_config.num_devices = 4
+  tiny_config.metrics.progress_every_s = 1e-6
+  runner.run(tiny_config, tmp_path)
+  rows = [json.loads(line) for line in
+          (tmp_path / "progress" / "process_0.jsonl").read_text().splitlines()]
+  assert len(rows) >= 2
+  assert [r["t"] for r in rows] == sorted(r["t"] for r in rows)
+  assert [r["iterations"] for r in rows] == sorted(r["iterations"] for r in rows)
+  assert rows[-1]["iterations"] == 20 * 4 and rows[-1]["step"] == 20
+
+
 def test_a_run_stopping_at_its_target_ends_at_the_first_evaluation_reaching_it(
     tiny_config, tmp_path):
   # Time-to-target runs (`metrics.stop_at_target`): a run ends at the first evaluation that
