@@ -223,6 +223,7 @@ class AsyncRuntime:
       outputs += self.store.compile_writes(i, iteration, None if self.fuses_local_step else grads)
     if self.options.max_sends_in_flight:
       outputs += transport.compile_landed(self.store)
+    outputs += self.transport.compile()
     jax.block_until_ready(outputs)
     # Every process here before the first collective: gloo forms its context on the first
     # all-reduce and gives up after 30 s, less than a loaded host's compilation may differ by.

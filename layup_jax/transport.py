@@ -162,6 +162,18 @@ class Transport:
       weights = self._store.weights.values
       self.compressor.settle(lambda i, s: weights[i][s], self._store.add_to_params)
 
+  def compile(self) -> list:
+    """Compiles what compressed sends run (nothing without compression); returns outputs."""
+    if self.compressor is None:
+      return []
+    store = self._store
+    outputs = self.compressor.compile(
+        [[store.take(j, s, halve=False)[0] for s in range(store.num_stages)]
+         for j in range(store.num_devices)])
+    # And `settle`'s return of a (here zero) residual: x + 0 leaves every replica as it is.
+    self.compressor.settle(lambda i, s: 1.0, store.add_to_params)
+    return outputs
+
   def remote_sends(self) -> int:
     """Sends this process made to other processes' devices."""
     return self._remote.sends() if self._remote is not None else 0
