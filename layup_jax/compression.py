@@ -95,19 +95,17 @@ def decode(wire: PyTree, template: PyTree, codec: str) -> PyTree:
   """The part a received `wire` stands for, shaped as `template` (a send's part)."""
   params, state = _params_half(template)
   wire_params, wire_state = _params_half(wire) if state is not None else (wire, None)
-  leaves = jax.tree.leaves(params)
-  wire_leaves = jax.tree.structure(params).flatten_up_to(wire_params)
+  treedef = jax.tree.structure(params)
   decoded = [decode_leaf(w, like, codec) if _is_float(like) else w
-             for w, like in zip(wire_leaves, leaves)]
-  params = jax.tree.unflatten(jax.tree.structure(params), decoded)
+             for w, like in zip(treedef.flatten_up_to(wire_params), jax.tree.leaves(params))]
+  params = treedef.unflatten(decoded)
   return (params, wire_state) if state is not None else params
 
 
 def wire_template(template: PyTree, codec: str) -> PyTree:
   """Shapes and dtypes of what travels for a part shaped as `template`."""
-  params, _ = _params_half(template)
-  residual = jax.tree.map(lambda t: t, params)
-  return jax.eval_shape(functools.partial(encode, codec=codec), template, residual,
+  params, _ = _params_half(template)  # a residual has the parameters' shapes
+  return jax.eval_shape(functools.partial(encode, codec=codec), template, params,
                         jax.ShapeDtypeStruct((), jnp.float32))[0]
 
 
@@ -119,7 +117,7 @@ class Compressor:
     process's."""
     if codec not in CODECS[1:]:
       raise ValueError(f"compression must be one of {CODECS[1:]}, got {codec!r}")
-    self.codec, self.templates = codec, templates
+    self.codec = codec
     self._encode = jax.jit(functools.partial(encode, codec=codec), donate_argnums=(1,))
     self._decode = [jax.jit(functools.partial(decode, template=t, codec=codec))
                     for t in templates]
@@ -144,14 +142,14 @@ class Compressor:
   def compile(self, params: list[list[PyTree]]) -> list:
     """Runs encode and decode once per stage on every device (the runtime's compile: none
     may compile inside the timed loop), on `params[i][s]` as they are; the residuals stay
-    zero. Returns the outputs to wait for."""
+    zero (`settle`'s own programs are compiled by calling it). Returns the outputs to wait
+    for."""
     outputs = []
     for i, stages in enumerate(self._residuals):
       for s, residual in enumerate(stages):
         zeros = jax.tree.map(jnp.zeros_like, residual)
         wire, _ = self._encode(params[i][s], zeros, np.float32(0.5))
         outputs.append(self._decode[s](wire))
-        outputs.append(jax.tree.map(lambda e: e * np.float32(2.0), residual))
     return outputs
 
   def residual_mass(self, s: int) -> PyTree:

@@ -616,7 +616,7 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
                f"{args['eval_every']}; medians of {args['repeats']} alternated repeat(s); "
                f"{bench['measured']}, code {bench['code']}. Each cell: training seconds / final "
                "accuracy. Bytes per device-iteration: counted by the run between processes "
-               "(layup_jax/traffic.py) and carried by the links at the slowest rate.")]
+               "(layup_jax/traffic.py) and carried by the links, at the last rate listed.")]
     for layout in args["layouts"]:
       rates = args["rates"]
       lines += ["", f"**{layout}** (hosts x devices per host)", "",
