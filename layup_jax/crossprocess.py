@@ -101,8 +101,15 @@ class RemotePeers:
     self.max_in_flight = max_in_flight
     self.sent = sent if sent is not None else traffic.BytesSent()
     self._server = start_server(transfer_host(host), count)
-    addresses = distributed.all_gather_json(self._server.address())
-    self._addresses = dict(enumerate(addresses))
+    # Each process's address also stays in the store, where a process that rejoins finds the
+    # others' (and they its new one).
+    self._client.key_value_set(_address_key(self._me), self._server.address(),
+                               allow_overwrite=True)
+    if distributed.members.rejoining:  # the others are past this gather
+      self._addresses = {k: self._client.blocking_key_value_get(_address_key(k), 10_000)
+                         for k in self.other_processes()}
+    else:
+      self._addresses = dict(enumerate(distributed.all_gather_json(self._server.address())))
     self._connections: dict[int, Any] = {}
     self._uuids = itertools.count(1)
     self._lock = threading.Lock()  # notice counters and acknowledgements, shared by senders
@@ -113,11 +120,36 @@ class RemotePeers:
     # here; comparable clocks on one host, an estimate across hosts.
     self.latencies: collections.deque = collections.deque()
     self.lost: set[int] = set()  # processes declared lost (an elastic run goes on without them)
+    # Per other process, the count of its rejoins: a receiver loop of an earlier one ends.
+    self._joins = {k: 0 for k in self.other_processes()}
 
   def lose(self, process: int) -> None:
     """Process `process` is lost: nothing more goes to it or waits for it; its receiver loop
     ends. What was announced to it and not merged is lost with it."""
     self.lost = self.lost | {process}
+
+  def rejoin(self, process: int) -> None:
+    """`process` was started again and admitted (at a consistent point, every notice to and
+    from its earlier run cleared, `forget`): sends and pulls go to its new transfer server,
+    counted afresh; a new receiver loop (`receive`) takes its notices."""
+    address = self._client.blocking_key_value_get(_address_key(process), 10_000)
+    with self._lock:
+      self._sent[process] = self._acked[process] = 0
+      self._acks_read_at.pop(process, None)
+      self._addresses[process] = address
+      self._connections.pop(process, None)
+      self._joins[process] += 1
+    self.lost = self.lost - {process}
+
+  def forget(self, process: int) -> None:
+    """Process 0, admitting `process` back: deletes every notice and acknowledgement between
+    its earlier run and the others (no process sends or receives at this point)."""
+    self._client.key_value_delete(f"layup_jax/gossip/{process}")
+    self._client.key_value_delete(f"layup_jax/gossip-ack/{process}")
+    for k in range(jax.process_count()):
+      if k != process:
+        self._client.key_value_delete(f"layup_jax/gossip/{k}/{process}")
+        self._client.key_value_delete(f"layup_jax/gossip-ack/{k}/{process}")
 
   def other_processes(self) -> list[int]:
     return sorted({p for p in self._process_of if p != self._me})
@@ -206,20 +238,24 @@ class RemotePeers:
 
   def receive(self, source: int, stopped: Callable[[], bool]) -> None:
     """The receiver loop for notices from process `source` (a runtime thread), until
-    `stopped()` or `source` is lost (then a pull from it that fails ends the loop quietly)."""
+    `stopped()`, `source` is lost (then a pull from it that fails ends the loop quietly), or
+    it rejoins (a new loop takes over)."""
+    run = self._joins[source]
+    ended = lambda: stopped() or source in self.lost or self._joins[source] != run
     try:
-      self._receive(source, stopped)
+      self._receive(source, ended)
     except Exception:
       # A pull from a process that died fails at once; in an elastic run it is declared lost
       # within the watchdog's timeout, and then this loop just ends.
-      if not (source in self.lost or distributed.members.await_loss(source)):
+      if not (source in self.lost or self._joins[source] != run
+              or distributed.members.await_loss(source)):
         raise
 
-  def _receive(self, source: int, stopped: Callable[[], bool]) -> None:
+  def _receive(self, source: int, ended: Callable[[], bool]) -> None:
     """Waits for the next notice, then takes every later one already written to its batch in
     one read, and merges them in order."""
     received = acknowledged = 0
-    while not stopped() and source not in self.lost:
+    while not ended():
       key = self._notice_key(self._me, source, received + 1)
       try:
         first = self._client.blocking_key_value_get(
@@ -343,6 +379,10 @@ class RemotePeers:
       if "NOT_FOUND" in str(error):
         return None
       raise
+
+
+def _address_key(process: int) -> str:
+  return f"layup_jax/transfer/{process}"
 
 
 def host_tree(tree: PyTree) -> PyTree:

@@ -22,7 +22,6 @@ process 0 the state every process holds the same, with the metadata gathered fro
 
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import pickle
@@ -35,7 +34,7 @@ import ml_collections
 import numpy as np
 
 from layup_jax import compat
-from layup_jax.errors import ConfigError
+from layup_jax.errors import ConfigError, RejoinError
 
 AUTO = "auto"  # distributed.coordinator_address: JAX's cluster auto-detection (SLURM, ...)
 
@@ -142,29 +141,45 @@ def put(tree, sharding: jax.sharding.Sharding):
 
 
 _GATHER_TIMEOUT_MS = 120_000
-_gathers = itertools.count()  # every process gathers in the same order: the n-th call meets
+_next_gather = 0  # every process gathers in the same order: the n-th call meets the others' n-th
 _pickled_keys: list[str] = []  # this process's keys of its recent `all_gather_pickled` calls
 
 
+def _gather_prefix() -> str:
+  """The key directory of this process's next gather (gathers run on the main thread)."""
+  global _next_gather
+  _next_gather += 1
+  return f"layup_jax/gather/{_next_gather - 1}"
+
+
 class Membership:
-  """Which processes of the run are lost (an elastic gossip run goes on without them).
+  """Which processes of the run are lost (an elastic gossip run goes on without them), and
+  which of them rejoin.
 
   Process 0, which hosts the coordination service, is the one authority: its watchdog declares
   a silent process lost (`declare`, a key `layup_jax/lost/<k>` holding the step), every
   process's watchdog reads those keys (`refresh`) and calls its listeners once per lost
   process. A gather between processes then takes the live ones only, with process 0 naming
   each gather's members, so that every survivor reads the same set even when a process dies
-  mid-gather."""
+  mid-gather.
+
+  A lost process started again with its id (`rejoining`) asks to rejoin (`await_admission`);
+  at the run's next consistent point process 0 admits it (`joining`, `clear`, `admit`: the
+  step and the gather it joins at), and every live process calls its listeners' `on_rejoined`
+  (`rejoined`)."""
 
   def __init__(self):
     self._lock = threading.Lock()
     self.elastic = False  # set by the watchdog of a gossip run across processes
     self.lost: dict[int, int] = {}  # process -> the step at which it was declared lost
     self._listeners: list = []
+    self._rejoin_listeners: list = []
     self.step = 0  # the run's step as this process last saw it (the runner's progress)
     # How long a thread that lost contact with a process waits for it to be declared lost
     # before it fails (set by the watchdog of an elastic run).
     self.grace_s = 0.0
+    # This process was started again after being declared lost, and is not admitted yet.
+    self.rejoining = False
 
   def await_loss(self, process: int) -> bool:
     """Whether `process` is declared lost within `grace_s` (a pull from it just failed)."""
@@ -173,11 +188,13 @@ class Membership:
       time.sleep(0.1)
     return self.is_lost(process)
 
-  def listen(self, on_lost) -> None:
+  def listen(self, on_lost, on_rejoined=None) -> None:
     """Calls `on_lost(process, step)` for each process found lost from now on (and those
-    already found)."""
+    already found), and `on_rejoined(process)` for each admitted back."""
     with self._lock:
       self._listeners.append(on_lost)
+      if on_rejoined is not None:
+        self._rejoin_listeners.append(on_rejoined)
       known = dict(self.lost)
     for process, step in known.items():
       on_lost(process, step)
@@ -196,10 +213,12 @@ class Membership:
     self.refresh(client)
 
   def refresh(self, client) -> list[tuple[int, int]]:
-    """Reads the lost keys; calls the listeners for each process newly found lost."""
-    found = [(int(key.rsplit("/", 1)[1]), int(value))
-             for key, value in client.key_value_dir_get("layup_jax/lost/")]
+    """Reads the lost keys; calls the listeners for each process newly found lost. The read
+    is under the lock: a process admitted meanwhile (its key cleared first, `clear`) is never
+    found lost again from a read made before."""
     with self._lock:
+      found = [(int(key.rsplit("/", 1)[1]), int(value))
+               for key, value in client.key_value_dir_get("layup_jax/lost/")]
       new = [(k, step) for k, step in found if k not in self.lost]
       self.lost.update(new)
       listeners = list(self._listeners)
@@ -208,8 +227,77 @@ class Membership:
         on_lost(process, step)
     return new
 
+  # --- rejoining ------------------------------------------------------------------------------
+
+  def joining(self) -> list[int]:
+    """Process 0, at a consistent point: the lost process that asked to rejoin first, if any
+    (one per consistent point)."""
+    client = compat.coordination_client()
+    asked = sorted(int(key.rsplit("/", 1)[1])
+                   for key, _ in client.key_value_dir_get("layup_jax/join/"))
+    return [k for k in asked if self.is_lost(k)][:1]
+
+  @staticmethod
+  def clear(process: int) -> None:
+    """Process 0, before telling the others: `process` is no longer declared lost."""
+    client = compat.coordination_client()
+    for kind in ("lost", "join", "joining"):
+      client.key_value_delete(f"layup_jax/{kind}/{process}")
+
+  def admit(self, process: int, step: int) -> None:
+    """Process 0, right after the gather that told every live process: `process` joins at
+    `step`, its next gather being the live processes' next."""
+    with self._lock:
+      lost = [[k, s] for k, s in self.lost.items() if k != process]
+    admission = {"step": step, "gather": _next_gather, "lost": lost}
+    compat.coordination_client().key_value_set(f"layup_jax/admit/{process}",
+                                               json.dumps(admission), allow_overwrite=True)
+
+  def rejoined(self, process: int) -> None:
+    """Every live process: `process` is admitted back (its listeners' `on_rejoined`)."""
+    with self._lock:
+      self.lost.pop(process, None)
+      listeners = list(self._rejoin_listeners)
+    for on_rejoined in listeners:
+      on_rejoined(process)
+
+  def await_admission(self) -> dict:
+    """The restarted process: asks to rejoin and waits until process 0 admits it at a
+    consistent point; then gathers with the others. Returns the admission (`step`, and the
+    processes still `lost`); raises if the run ends first."""
+    me, client = jax.process_index(), compat.coordination_client()
+    client.key_value_set(f"layup_jax/join/{me}", "1", allow_overwrite=True)
+    print(f"process {me} is ready and asks to rejoin at the run's next evaluation or "
+          f"checkpoint step", file=sys.stderr, flush=True)
+    while True:
+      try:
+        admission = json.loads(client.blocking_key_value_get(f"layup_jax/admit/{me}", 1000))
+        break
+      except Exception as error:  # DEADLINE_EXCEEDED: not admitted yet
+        if "DEADLINE_EXCEEDED" not in str(error):
+          raise
+        if run_finished():
+          raise RejoinError(f"process {me} was not admitted back: the run ended first")
+    client.key_value_delete(f"layup_jax/admit/{me}")
+    global _next_gather
+    _next_gather = admission["gather"]
+    with self._lock:
+      self.lost = {k: step for k, step in admission["lost"]}
+      self.rejoining = False
+    return admission
+
 
 members = Membership()
+
+
+def run_finished() -> bool:
+  """Whether process 0 has said it is done (`Watchdog.finish`)."""
+  try:
+    return compat.coordination_client().key_value_try_get("layup_jax/done/0") is not None
+  except Exception as error:  # NOT_FOUND: not yet
+    if "NOT_FOUND" in str(error):
+      return False
+    raise
 
 
 def _read_gather(client, prefix: str) -> list[bytes]:
@@ -244,7 +332,7 @@ def all_gather_json(value) -> list:
   if jax.process_count() == 1:
     return [value]
   client = compat.coordination_client()
-  prefix = f"layup_jax/gather/{next(_gathers)}"
+  prefix = _gather_prefix()
   client.key_value_set_bytes(f"{prefix}/{jax.process_index()}", json.dumps(value).encode())
   return [json.loads(part) for part in _read_gather(client, prefix)]
 
@@ -255,7 +343,7 @@ def all_gather_pickled(value) -> list:
   if jax.process_count() == 1:
     return [value]
   client = compat.coordination_client()
-  prefix = f"layup_jax/gather/{next(_gathers)}"
+  prefix = _gather_prefix()
   mine = f"{prefix}/{jax.process_index()}"
   client.key_value_set_bytes(mine, pickle.dumps(value))
   parts = [pickle.loads(part) for part in _read_gather(client, prefix)]
@@ -308,14 +396,33 @@ class Watchdog:
       members.grace_s = 3 * timeout_s + 2 * period_s
     if elastic and self._me == 0:
       print("elastic gossip: a lost process other than 0 is left behind and the others train "
-            "on; process 0 hosts the run's coordination service, so its loss stops every "
-            "process (rerun to resume from the last checkpoint)", file=sys.stderr, flush=True)
+            "on (the same command started again for it rejoins); process 0 hosts the run's "
+            "coordination service, so its loss stops every process (rerun to resume from the "
+            "last checkpoint)", file=sys.stderr, flush=True)
+    if elastic and self._me != 0 and self._exists(self._key("alive", self._me)):
+      self._await_declared_lost()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
     self._thread.start()
 
   def _key(self, kind: str, k: int) -> str:
     return f"layup_jax/{kind}/{k}"
+
+  def _await_declared_lost(self) -> None:
+    """This process was started again into a running run (its earlier self's heartbeat is in
+    the store): it stays silent until process 0 has declared that one lost, then rejoins
+    (`Membership.await_admission`, from the runtime)."""
+    print(f"process {self._me} started again into its running run: it rejoins once process 0 "
+          f"has declared its earlier run lost (within {3 * self._timeout_s:g} s)",
+          file=sys.stderr, flush=True)
+    # Process 0 waits for a process that is rejoining before it ends the run (`finish`).
+    self._client.key_value_set(self._key("joining", self._me), "1", allow_overwrite=True)
+    while self._value(self._key("lost", self._me)) is None:
+      if run_finished():
+        self._leave_unadmitted()
+      time.sleep(self._period_s / 2)
+    members.rejoining = True
+
 
   def _watch(self) -> None:
     beat = 0
@@ -327,12 +434,17 @@ class Watchdog:
         self._client.key_value_set(self._key("alive", self._me), str(beat), allow_overwrite=True)
         if self._elastic:
           members.refresh(self._client)
-          if members.is_lost(self._me):  # declared lost (silent too long): fenced off
+          if members.rejoining and run_finished():
+            self._leave_unadmitted()
+          if members.is_lost(self._me) and not members.rejoining:  # silent too long: fenced off
             self._die(f"process 0 declared this process lost at step {members.lost[self._me]} "
                       f"(silent for more than {self._timeout_s:g} s)",
                       "The others train on without it")
         for k in range(self._count):
-          if k == self._me or members.is_lost(k) or self._exists(self._key("done", k)):
+          if members.is_lost(k):  # and if it rejoins, its heartbeat is timed afresh
+            seen[k] = (None, now)
+            continue
+          if k == self._me or self._exists(self._key("done", k)):
             continue
           value = self._value(self._key("alive", k))
           if value is not None and value != seen[k][0]:
@@ -361,6 +473,11 @@ class Watchdog:
     print(f"process {k} lost at step {step}; {devices} devices train on", file=sys.stderr,
           flush=True)
 
+  def _leave_unadmitted(self) -> None:
+    """A process that was rejoining finds the run ended: it says so and lets process 0 go."""
+    self._client.key_value_set(self._key("done", self._me), "1", allow_overwrite=True)
+    self._die("the run ended before this process could rejoin it", "Nothing to do")
+
   def _value(self, key: str) -> str | None:
     try:
       return self._client.key_value_try_get(key)
@@ -384,7 +501,7 @@ class Watchdog:
     hosts the coordination service, would leave while another process still uses it, and
     that one's client aborts it (found: the last process of a finished run ended by SIGABRT).
     So the others leave JAX's runtime right after saying they are done, and process 0 waits
-    for every live process's word (at most `_FAREWELL_S`) and a moment more."""
+    for every live or rejoining process's word (at most `_FAREWELL_S`) and a moment more."""
     self._stop.set()
     self._thread.join(timeout=5)
     with contextlib.suppress(Exception):  # the service may be gone already: nothing to tell
@@ -398,7 +515,9 @@ class Watchdog:
     deadline = time.monotonic() + _FAREWELL_S
     with contextlib.suppress(Exception):
       while time.monotonic() < deadline and not all(
-          self._exists(self._key("done", k)) or members.is_lost(k) for k in range(self._count)):
+          self._exists(self._key("done", k))
+          or members.is_lost(k) and not self._exists(self._key("joining", k))
+          for k in range(self._count)):
         members.refresh(self._client)
         time.sleep(0.1)
     time.sleep(_FAREWELL_GRACE_S)

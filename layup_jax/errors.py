@@ -23,3 +23,10 @@ class NonFiniteError(UserError):
   """Training produced a non-finite loss or gradient; the message names device, stage, step."""
 
   exit_code = 3
+
+
+class RejoinError(UserError):
+  """A process started again into its running run could not rejoin it (the message says why;
+  the others train on)."""
+
+  exit_code = 4

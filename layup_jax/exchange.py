@@ -54,6 +54,10 @@ class PeerSampler:
     """Peers are drawn among the other devices from now on (their process is lost)."""
     self._lost = self._lost | frozenset(devices)
 
+  def rejoin(self, devices) -> None:
+    """`devices` are peers again (their process rejoined)."""
+    self._lost = self._lost - frozenset(devices)
+
   def pick(self, i: int) -> int | None:
     """Device i's next peer, or None when there is none (one device, or gossip off)."""
     if i in self._scripted:

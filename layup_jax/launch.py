@@ -11,7 +11,9 @@ when starting processes by hand; on a cluster start one process per host or per 
 same keys, see the README). Process 0's output is shown as is, the others' prefixed `[pK]`.
 When one process fails, the others are stopped and the launcher exits with its status; with
 `--keep-going`, a process other than 0 that fails is reported and the others go on (a gossip
-run trains on without it, docs/elastic.md; a DDP or periodic run stops itself in one line).
+run trains on without it, docs/elastic.md; a DDP or periodic run stops itself in one line);
+with `--restart N` (implies `--keep-going`) it is also started again with its command, at most
+N times per process, while process 0 runs (LayUp and GoSGD take it back into the running run).
 """
 
 import argparse
@@ -58,18 +60,26 @@ def _relay(process: subprocess.Popen, prefix: str) -> None:
 
 
 def run(processes: int, devices_per_process: int, train_args: list[str],
-        keep_going: bool = False) -> int:
+        keep_going: bool = False, restarts: int = 0) -> int:
   """Runs the processes to the end; the first failure's exit status (0 when all succeed).
   `keep_going`: a failed process other than 0 does not stop the others (reported in one line;
-  the launcher's status is then process 0's, or a later failure's)."""
+  the launcher's status is then process 0's, or a later failure's). `restarts`: such a process
+  is also started again, at most that many times, while process 0 runs."""
   env = environment(devices_per_process)
-  children = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, bufsize=1)
-              for command in commands(processes, free_port(), train_args)]
-  relays = [threading.Thread(target=_relay, args=(child, f"[p{k}] " if k else ""), daemon=True)
-            for k, child in enumerate(children)]
-  for relay in relays:
+  keep_going = keep_going or restarts > 0
+  every = commands(processes, free_port(), train_args)
+  relays: list[threading.Thread] = []
+
+  def start(k: int) -> subprocess.Popen:
+    child = subprocess.Popen(every[k], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, bufsize=1)
+    relay = threading.Thread(target=_relay, args=(child, f"[p{k}] " if k else ""), daemon=True)
     relay.start()
+    relays.append(relay)
+    return child
+
+  children = [start(k) for k in range(processes)]
+  restarted = [0] * processes
 
   def forward(signum, frame):  # Ctrl-C / SIGTERM: every process saves and stops
     for child in children:
@@ -81,12 +91,18 @@ def run(processes: int, devices_per_process: int, train_args: list[str],
   status, reported = 0, set()
   while [child.poll() for child in children].count(None):  # polls each (any() would stop early)
     failed = [(k, c.returncode) for k, c in enumerate(children)
-              if c.returncode not in (None, 0) and k not in reported]
+              if c.returncode not in (None, 0) and (k, c.pid) not in reported]
     for k, code in failed:
-      reported.add(k)
+      reported.add((k, children[k].pid))
       how = (f"was killed by {signal.Signals(-code).name}" if code < 0
              else f"exited with status {code}")
       if keep_going and k != 0:
+        if restarted[k] < restarts and children[0].poll() is None:
+          restarted[k] += 1
+          print(f"launch: process {k} {how}; starting it again (--restart, {restarted[k]} of "
+                f"{restarts})", file=sys.stderr, flush=True)
+          children[k] = start(k)
+          continue
         print(f"launch: process {k} {how}; the others go on (--keep-going)", file=sys.stderr,
               flush=True)
         continue
@@ -116,14 +132,18 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--keep-going", action="store_true",
                       help="a process other than 0 that fails does not stop the others (a "
                            "gossip run trains on without it)")
+  parser.add_argument("--restart", type=int, default=0, metavar="N",
+                      help="also start a failed process other than 0 again, at most N times "
+                           "(implies --keep-going; LayUp and GoSGD take it back)")
   parser.add_argument("train_args", nargs=argparse.REMAINDER)
   args = parser.parse_args(argv)
   train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-  if args.processes < 1 or args.devices_per_process < 1:
-    parser.error("--processes and --devices-per-process must be >= 1")
+  if args.processes < 1 or args.devices_per_process < 1 or args.restart < 0:
+    parser.error("--processes and --devices-per-process must be >= 1, --restart >= 0")
   if not train_args:
     parser.error("give the train arguments after --, e.g. -- --config configs/digits.py")
-  sys.exit(run(args.processes, args.devices_per_process, train_args, args.keep_going))
+  sys.exit(run(args.processes, args.devices_per_process, train_args, args.keep_going,
+               args.restart))
 
 
 if __name__ == "__main__":

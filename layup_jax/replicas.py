@@ -318,6 +318,11 @@ class ReplicaStore:
     received, amount = held
     return received, np.float32(self.weights.receiver_share(i, s, amount)), amount
 
+  def holds_weight(self, j: int, s: int) -> bool:
+    """Whether stage s of device j has push-sum weight, merged or waiting in its inbox."""
+    with self._locks[j][s]:
+      return self.weights.values[j][s] > 0 or self._inbox[j][s] is not None
+
   def pending_merges(self, j: int) -> int:
     """How many merges into device j are dispatched and not yet computed, as far as seen: the
     oldest are dropped once computed. Updaters of several devices share the count; two

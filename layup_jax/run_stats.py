@@ -129,6 +129,11 @@ class RunStats:
     rows = weights.weights if weights is not None else self._read_weights()
     return [float(sum(column)) for column in zip(*rows)]
 
+  def devices_in_average(self) -> int:
+    """How many devices' replicas the consensus averages (fewer once a process is lost)."""
+    weights = self._part("snapshot", lambda: None)
+    return len(weights.weights if weights is not None else self._read_weights())
+
   def iterations_per_device(self) -> list[int]:
     """Iterations each device has done (a straggler does fewer under LayUp)."""
     return list(self._part("iterations", self._read_iterations))

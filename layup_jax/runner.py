@@ -155,7 +155,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     session.restore()  # restore (or start), then compile
     session.compile()
     hooks = [Every(config.eval_every, session.evaluate)]
-    if session.checkpoints is not None:
+    if config.checkpoint.enabled:  # (a process that rejoined saves none, but stops where all do)
       hooks.append(Every(config.checkpoint.every, session.save))
     step = session.train(hooks, should_stop)  # the loop
     if step < session.num_steps and not session.stopped_at_target:
@@ -212,6 +212,7 @@ class Session:
     self.remote_latencies: list[float] = []  # every send between processes (process 0)
     self._saved_step: int | None = None
     self.stopped_at_target = False  # `metrics.stop_at_target` ended the run early
+    self.rejoined_at: int | None = None  # the step at which this process rejoined its run
     self._bar: tqdm.tqdm | None = None
 
   # --- build, restore, compile ----------------------------------------------------------------
@@ -220,7 +221,9 @@ class Session:
     """Opens the checkpoints (after a storage check) and resumes from the newest readable one,
     else from `config.restore`; opens the records, kept up to the step resumed from."""
     config = self.config
-    if config.checkpoint.enabled:
+    # A process that rejoins a running run takes its state from live peers (`_rejoin`), and an
+    # elastic run that lost a process writes no more checkpoints.
+    if config.checkpoint.enabled and not distributed.members.rejoining:
       checkpointing.check_storage(
           self.workdir, checkpointing.tree_bytes(self.runtime.checkpoint.state_dict()[0]),
           config.checkpoint.keep)
@@ -238,6 +241,8 @@ class Session:
     started = time.perf_counter()
     self.runtime.compile()
     self.compile_s = time.perf_counter() - started
+    if not self.primary:  # only process 0 reports throughput (a process that rejoins is sooner)
+      return
     try:
       self.flops_per_iteration = self.runtime.flops_per_iteration()
     except Exception as error:  # noqa: BLE001 - a missing count must not stop training
@@ -254,7 +259,14 @@ class Session:
     for hook in hooks:
       for step in hook.due(self.num_steps):
         due.setdefault(step, []).append(hook)
-    if self.start_step == 0:
+    if distributed.members.rejoining:
+      step = self._rejoin()
+      for hook in due.get(step, []):  # where the others are: right after this step's training
+        hook.action(step)
+      if self._ends_at_target(due.get(step, [])):
+        self.stopped_at_target = True
+        return step
+    elif self.start_step == 0:
       self.evaluate(0)
     step = self.start_step
     self._bar = tqdm.tqdm(total=self.num_steps, initial=self.start_step,
@@ -280,6 +292,17 @@ class Session:
           self.stopped_at_target = True
           break
     return step
+
+  def _rejoin(self) -> int:
+    """This process was started again into its running run: it waits to be admitted back at a
+    consistent point (the runtime's `rejoin`), and its devices' data resume their shards at the
+    run's step there, which this returns (as the start step)."""
+    self.start_step = self.rejoined_at = self.runtime.rejoin()
+    for iterator in self.dataset.train:
+      iterator.set_state({**iterator.get_state(), "next_index": self.start_step})
+    print(f"process {jax.process_index()} rejoined the run at step {self.start_step}",
+          file=sys.stderr, flush=True)
+    return self.start_step
 
   def _ends_at_target(self, hooks: list[Every]) -> bool:
     """Whether `metrics.stop_at_target` ends the run here: this step was evaluated and reached
@@ -341,7 +364,7 @@ class Session:
     stats = self.runtime.stats
     train_loss, sums = stats.train_loss(), stats.weight_sums()
     common = {"step": step, "time_s": self.train_time, "weight_sum_min": min(sums),
-              "weight_sum_max": max(sums)}
+              "weight_sum_max": max(sums), "devices_in_average": stats.devices_in_average()}
     if step > 0 and write:
       self.writer.write({**common, "split": "train", "loss": train_loss,
                          "samples_per_s": self.samples_per_s(), **self.throughput(),
@@ -395,7 +418,7 @@ class Session:
   def finish(self, step: int) -> None:
     """A run resumed from its final checkpoint is evaluated (nothing written); one ended at its
     target saves the model there; the last checkpoint is waited for."""
-    if 0 < self.num_steps <= self.start_step:
+    if 0 < self.num_steps <= self.start_step and self.rejoined_at is None:
       self.evaluate(self.num_steps, write=False)
     if self.checkpoints is not None:
       if self.stopped_at_target:

@@ -86,8 +86,10 @@ class AsyncRuntime:
     # An elastic run (gossip across processes) trains on when a process is lost: set at the
     # first consistent point that finds one (every survivor finds it at the same one).
     self.processes_lost = False
+    # Iterations each device counts as done without having run them (it rejoined at a step).
+    self._joined_at = [0] * self.num_devices
     if self.across_processes:
-      distributed.members.listen(self._on_lost)
+      distributed.members.listen(self._on_lost, self._on_rejoined)
     self.outboxes = [Outbox(self.store, i, self.transport, self.peers.choose,
                             options.max_sends_in_flight) for i in range(self.num_devices)]
     self.exchange = make_exchange(Links(self.store, self.outboxes, self.peers, options,
@@ -98,7 +100,7 @@ class AsyncRuntime:
                    for i, device in enumerate(devices)]
     self.stats = RunStats(
         self.num_devices, self.num_stages, self.store.snapshot, lambda: self.store.weights.values,
-        lambda: [r.iteration for r in self.store.replicas],
+        lambda: [r.iteration - at for r, at in zip(self.store.replicas, self._joined_at)],
         gather=distributed.all_gather_pickled if self.across_processes else None,
         remote_latencies=self.transport.latencies,
         host_cpu=lambda: sum(s.cpu_s for s in {self.dispatcher, self.updater}),
@@ -227,7 +229,8 @@ class AsyncRuntime:
     jax.block_until_ready(outputs)
     # Every process here before the first collective: gloo forms its context on the first
     # all-reduce and gives up after 30 s, less than a loaded host's compilation may differ by.
-    distributed.all_gather_json(None)
+    if not distributed.members.rejoining:  # (one that rejoins meets the others later, `rejoin`)
+      distributed.all_gather_json(None)
     self.exchange.compile()
 
   # --- the tasks ------------------------------------------------------------------------------
@@ -382,14 +385,82 @@ class AsyncRuntime:
     self.store.settle()
     if self.across_processes and distributed.members.elastic:
       self._renormalise()
+      if self.processes_lost:
+        self._admit(iterations // self.num_devices)
     on_progress(self._budget.finished)
+
+  def _devices_of(self, processes) -> list[int]:
+    return [g for g, device in enumerate(self.run_devices) if device.process_index in processes]
 
   def _on_lost(self, process: int, step: int) -> None:
     """Process `process` is lost (its watchdog thread says so): nothing goes to its devices or
     waits for them from now on."""
+    if process == jax.process_index():  # this process, started again: it rejoins (`rejoin`)
+      return
     self.transport.lose(process)
-    self.peers.lose([g for g, device in enumerate(self.run_devices)
-                     if device.process_index == process])
+    self.peers.lose(self._devices_of({process}))
+
+  def _on_rejoined(self, process: int) -> None:
+    """Process `process` was admitted back (`_admit`): its devices are peers again, and a
+    receiver loop takes its sends."""
+    self._threads.start(self.transport.rejoin(process))
+    self.peers.rejoin(self._devices_of({process}))
+
+  def _admit(self, step: int) -> None:
+    """At a consistent point of an elastic run that lost a process: admits a lost process that
+    was started again and asked to rejoin (docs/elastic.md). Process 0 decides and clears its
+    earlier run's notices; then every live process gives it its share: the live devices in
+    turn each give one of its devices every stage with half the stage's push-sum weight, as a
+    send does, and since that device's weight is 0 it takes the giver's replica; each waits
+    until its gifts are merged, so the point stays consistent and every sum exact."""
+    members, primary = distributed.members, jax.process_index() == 0
+    joining = members.joining() if primary else []
+    for process in joining:  # before anyone hears of it: no notice of the earlier run is read
+      self.transport.forget(process)
+      members.clear(process)
+    joining = distributed.all_gather_json(joining)[0]
+    if not joining:
+      return
+    process = joining[0]
+    if primary:
+      members.admit(process, step)
+    members.rejoined(process)
+    lost = set(members.lost)
+    givers = self._devices_of(set(range(jax.process_count())) - lost - {process})
+    for n, device in enumerate(self._devices_of({process})):
+      i = self.transport.local(givers[n % len(givers)])
+      if i is not None:
+        for s in range(self.num_stages):
+          part, amount = self.store.take(i, s, halve=True)
+          self.transport.give(device, s, jax.block_until_ready(part), amount)
+    self.transport.quiesce()
+
+  def rejoin(self) -> int:
+    """This process was started again after being declared lost (`distributed.members.
+    rejoining`): asks to rejoin, and once process 0 admits it at the run's next consistent
+    point, its devices, at push-sum weight 0, each take a live device's replica with half its
+    weight (`_admit`; their optimizer state starts afresh) and train on from the run's step,
+    which this returns."""
+    admission = distributed.members.await_admission()
+    step, lost = admission["step"], {k for k, _ in admission["lost"]}
+    self.transport.set_lost(lost)
+    self.peers.rejoin(range(self.total_devices))
+    self.peers.lose(self._devices_of(lost))
+    for i, replica in enumerate(self.store.replicas):
+      self.store.weights.values[i] = [0.0] * self.num_stages
+      replica.iteration = self._joined_at[i] = step
+    self.restored(step * self.num_devices)
+    self.processes_lost = True
+    self._start_threads()  # the receiver loops merge the shares (nothing else is granted yet)
+    deadline = time.monotonic() + 120
+    while not all(self.store.holds_weight(i, s) for i in range(self.num_devices)
+                  for s in range(self.num_stages)):
+      self._raise_if_failed()
+      if time.monotonic() > deadline:
+        raise WorkerError("no live device gave this process its share within 120 s")
+      time.sleep(0.01)
+    self.store.settle()
+    return step
 
   def _renormalise(self) -> None:
     """At a consistent point of an elastic run: once a process is lost, the survivors divide

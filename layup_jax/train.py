@@ -21,7 +21,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from layup_jax import algorithms, distributed, runner
-from layup_jax.errors import UserError
+from layup_jax.errors import RejoinError, UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
                                           lock_config=True)
@@ -99,6 +99,10 @@ def main(argv: list[str]) -> None:
         else False
     if distributed.initialize(config.distributed, recoverable=elastic):  # before any backend use
       watchdog = distributed.Watchdog(config.distributed.heartbeat_timeout_s, elastic=elastic)
+      if distributed.members.rejoining and not algorithms.get(config.algorithm).rejoins:
+        raise RejoinError(f"{config.algorithm} has no rejoin: only push-sum gossip (layup, "
+                          f"gosgd) gives a process a replica and a weight share; the others "
+                          f"train on without this process")
     stop.install()  # after: JAX's preemption notifier would take SIGTERM otherwise
     summary = runner.run(config, _WORKDIR.value, should_stop=stop)
   except UserError as error:

@@ -99,6 +99,26 @@ class Transport:
     if self._remote is not None:
       self._remote.lose(process)
 
+  def rejoin(self, process: int) -> list[tuple[str, Callable[[], None]]]:
+    """`process` is admitted back (layup_jax/distributed.py `Membership`); returns its new
+    receiver loop, to run on a thread of its own."""
+    self._remote.rejoin(process)
+    return [self._loop(process)]
+
+  def forget(self, process: int) -> None:
+    """Process 0, admitting `process` back: its earlier run's notices and acknowledgements go."""
+    self._remote.forget(process)
+
+  def set_lost(self, processes) -> None:
+    """A process that rejoined: the processes still lost."""
+    if self._remote is not None:
+      self._remote.lost = set(processes)
+
+  def give(self, peer: int, s: int, part: PyTree, amount: float) -> None:
+    """Sends the computed `part` uncompressed to another process's device `peer` with push-sum
+    `amount` (a share given to a device that rejoins: a replica, not an update)."""
+    self._remote.send(peer, s, part, amount, self._stopped)
+
   def is_lost(self, peer: int) -> bool:
     """Whether `peer` is a device of a process declared lost."""
     return self._remote is not None and self._remote.is_lost(peer)
@@ -147,8 +167,10 @@ class Transport:
     """The receiver loops to run on threads of their own: one per other process."""
     if self._remote is None:
       return []
-    return [(f"layup-receiver-{k}", lambda k=k: self._remote.receive(k, self._stopped))
-            for k in self._remote.other_processes()]
+    return [self._loop(k) for k in self._remote.other_processes()]
+
+  def _loop(self, k: int) -> tuple[str, Callable[[], None]]:
+    return (f"layup-receiver-{k}", lambda: self._remote.receive(k, self._stopped))
 
   def quiesce(self) -> None:
     """Waits until every send to another process has been merged there (nothing in one)."""

@@ -366,3 +366,64 @@ def _records(work) -> list[dict]:
     return read_metrics(work)
   except (FileNotFoundError, json.JSONDecodeError):
     return []
+
+
+def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
+  """3 processes x 2 devices, LayUp on the digits, started by the launcher with `--restart 1`:
+  process 2 is SIGKILLed at 20 % of the run and the launcher starts its command again at once
+  (as a cluster's restart policy would; on 2 cores the restarted process needs about a minute
+  to compile beside the two that train, so a kill at 40 % would need a longer run). It waits until its earlier run is declared lost;
+  meanwhile the others train on (weights renormalised over 4 devices); it rejoins at a later
+  consistent point (an evaluation's step, or a checkpoint's: none is written after the loss),
+  each of its devices taking a live device's replica with half its weight. The run ends with
+  status 0; every average after the rejoin holds 6 devices with weights summing to 1 within
+  1e-9, the rejoined devices' iterations count, and the run reaches >= 0.95 on the digits."""
+  steps = 3600
+  settings = {"algorithm": "layup", "num_steps": steps, "eval_every": 60,
+              "checkpoint.every": 250, "progress_bar": False,
+              "distributed.heartbeat_timeout_s": 5}
+  work = tmp_path / "rejoin"
+  command = [sys.executable, "-m", "layup_jax.launch", "--processes", "3",
+             "--devices-per-process", "2", "--restart", "1", "--", "--config",
+             "configs/digits.py", "--workdir", str(work), "--config.num_devices=6",
+             *_overrides(settings)]
+  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for_test_record(work, int(0.2 * steps), launcher)
+    victim = subprocess.run(["pgrep", "-f", f"workdir {work} .*process_id=2"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert len(victim) == 1, victim
+    os.kill(int(victim[0]), signal.SIGKILL)
+    output = launcher.communicate(timeout=600)[0]
+  finally:
+    launcher.kill()
+  assert launcher.returncode == 0, output[-3000:]
+  assert "launch: process 2 was killed by SIGKILL; starting it again (--restart, 1 of 1)" \
+      in output
+  lost = re.findall(r"process 2 lost at step (\d+); 4 devices train on", output)
+  rejoined = re.findall(r"\[p2\] process 2 rejoined the run at step (\d+)", output)
+  assert len(lost) == 1 and len(rejoined) == 1, output[-3000:]
+  lost_at, rejoined_at = int(lost[0]), int(rejoined[0])
+  # At a consistent point: the end of a segment, an evaluation's or a checkpoint's step.
+  assert 0.2 * steps <= lost_at < rejoined_at < steps
+  assert rejoined_at % 60 == 0 or rejoined_at % 250 == 0
+  tests = {r["step"]: r for r in read_metrics(work) if r["split"] == "test"}
+  between = [r for step, r in tests.items() if lost_at < step < rejoined_at]
+  assert between and all(r["devices_in_average"] == 4 for r in between)
+  after = [r for step, r in tests.items() if step >= rejoined_at]
+  assert after and all(r["devices_in_average"] == 6 for r in after)
+  for record in [*between, *after]:
+    assert record["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
+    assert record["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
+  summary = json.loads((work / "summary.json").read_text())
+  assert summary["final_eval_accuracy"] >= 0.95
+  assert min(summary["device_samples_per_s"][4:]) > 0  # process 2's devices trained again
+
+
+def _wait_for_test_record(work, step: int, process: subprocess.Popen) -> None:
+  deadline = time.monotonic() + 600
+  while not any(r["step"] >= step and r["split"] == "test" for r in _records(work)):
+    assert process.poll() is None, process.communicate()[0][-3000:]
+    assert time.monotonic() < deadline, f"no evaluation at step {step}"
+    time.sleep(0.2)

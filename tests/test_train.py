@@ -14,7 +14,7 @@ from layup_jax.metrics import read_metrics
 from tests.helpers import tensorboard_scalars
 
 EVAL_KEYS = {"step", "time_s", "split", "loss", "accuracy", "device0_loss", "device0_accuracy",
-             "consensus_distance", "weight_sum_min", "weight_sum_max"}
+             "consensus_distance", "weight_sum_min", "weight_sum_max", "devices_in_average"}
 SUMMARY_KEYS = {"algorithm", "num_devices", "final_eval_accuracy", "final_eval_loss",
                 "wall_time_s", "train_samples_per_s", "consensus_distance"}
 

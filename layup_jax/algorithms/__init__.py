@@ -25,6 +25,9 @@ class Algorithm:
   # Sends stages to random peers with push-sum weights (the gossip family): across processes
   # through crossprocess.py, where only per-stage weights can follow a stage to its peer.
   gossip: bool = False
+  # A process started again rejoins its running run (gossip across processes): push-sum weights
+  # let a live device give it a replica with a share of its weight, the average kept.
+  rejoins: bool = False
   # Takes its outer step at every average (`baselines.out_freq` must equal `baselines.tau`).
   outer_step_every_average: bool = False
 
@@ -57,9 +60,9 @@ def _on_asynchronous_runtime(exchange: type) -> Callable[..., Runtime]:
   return functools.partial(asynchronous_runtime, make_exchange=exchange)
 
 
-register("layup", _on_asynchronous_runtime(layup.LayUp), gossip=True)
+register("layup", _on_asynchronous_runtime(layup.LayUp), gossip=True, rejoins=True)
 register("ddp", ddp.build)
-register("gosgd", _on_asynchronous_runtime(gossip.GoSGD), gossip=True)
+register("gosgd", _on_asynchronous_runtime(gossip.GoSGD), gossip=True, rejoins=True)
 register("adpsgd", _on_asynchronous_runtime(gossip.ADPSGD), gossip=True)
 register("local_sgd", periodic.builder(lambda b: None))
 register("slowmo", periodic.builder(lambda b: periodic.SlowMo(b.slow_lr, b.slow_momentum)))

@@ -1,0 +1,92 @@
+"""Who is lost and who rejoins an elastic gossip run (layup_jax/distributed.py `Membership`),
+against an in-memory stand-in for the coordination service's key-value store."""
+
+import pytest
+
+from layup_jax import compat, distributed
+
+
+class FakeStore:
+  """The key-value calls `Membership` makes; a delete removes a key and its directory."""
+
+  def __init__(self):
+    self.values: dict[str, str] = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    assert allow_overwrite or key not in self.values, key
+    self.values[key] = value
+
+  def key_value_delete(self, key):
+    for k in [k for k in self.values if k == key or k.startswith(key + "/")]:
+      del self.values[k]
+
+  def key_value_dir_get(self, prefix):
+    return sorted((k, v) for k, v in self.values.items() if k.startswith(prefix))
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    if key not in self.values:
+      raise RuntimeError("DEADLINE_EXCEEDED: not written")
+    return self.values[key]
+
+  def key_value_try_get(self, key):
+    if key not in self.values:
+      raise RuntimeError("NOT_FOUND")
+    return self.values[key]
+
+
+@pytest.fixture
+def store(monkeypatch):
+  fake = FakeStore()
+  monkeypatch.setattr(compat, "coordination_client", lambda: fake)
+  monkeypatch.setattr(distributed, "_next_gather", 7)
+  return fake
+
+
+def test_an_admitted_process_is_not_found_lost_again_and_can_be_lost_later(store):
+  members, heard = distributed.Membership(), []
+  members.listen(lambda k, step: heard.append(("lost", k, step)),
+                 lambda k: heard.append(("rejoined", k)))
+  members.declare(store, 2, 40)
+  members.refresh(store)  # every watchdog period: no second call
+  assert heard == [("lost", 2, 40)] and members.is_lost(2)
+  store.key_value_set("layup_jax/join/2", "1")
+  assert members.joining() == [2]
+  members.clear(2)  # process 0, before it tells the others
+  members.rejoined(2)
+  members.refresh(store)
+  assert heard == [("lost", 2, 40), ("rejoined", 2)] and not members.is_lost(2)
+  assert not store.key_value_dir_get("layup_jax/join/")
+  members.declare(store, 2, 90)  # lost again later: heard again
+  assert heard[-1] == ("lost", 2, 90)
+
+
+def test_only_a_lost_process_that_asked_is_admitted_one_per_consistent_point(store):
+  members = distributed.Membership()
+  for k in (1, 2, 3):
+    store.key_value_set(f"layup_jax/join/{k}", "1")  # 1 asks but was never lost
+  members.declare(store, 3, 10)
+  members.declare(store, 2, 12)
+  assert members.joining() == [2]
+
+
+def test_a_restarted_process_takes_the_admissions_step_lost_set_and_next_gather(store,
+                                                                              monkeypatch):
+  monkeypatch.setattr(distributed.jax, "process_index", lambda: 2)
+  primary = distributed.Membership()
+  primary.declare(store, 1, 5)
+  primary.declare(store, 2, 8)
+  primary.clear(2)
+  primary.admit(2, step=60)  # right after the gather that told the live processes
+  restarted = distributed.Membership()
+  restarted.rejoining = True
+  admission = restarted.await_admission()
+  assert admission["step"] == 60
+  assert restarted.lost == {1: 5} and not restarted.rejoining
+  assert distributed._next_gather == 7  # the live processes' next gather
+  assert "layup_jax/admit/2" not in store.values and "layup_jax/join/2" in store.values
+
+
+def test_a_restarted_process_whose_run_ended_says_so(store):
+  store.key_value_set("layup_jax/done/0", "1")
+  with pytest.raises(distributed.RejoinError, match="the run ended first"):
+    distributed.Membership().await_admission()
