@@ -373,12 +373,7 @@ class RemotePeers:
     return f"{cls._batch_key(to, source, n)}/{n}"
 
   def _try_get(self, key: str) -> str | None:
-    try:
-      return self._client.key_value_try_get(key)
-    except Exception as error:  # NOT_FOUND: not written yet
-      if "NOT_FOUND" in str(error):
-        return None
-      raise
+    return distributed.try_get(self._client, key)
 
 
 def _address_key(process: int) -> str:

@@ -290,14 +290,19 @@ class Membership:
 members = Membership()
 
 
+def try_get(client, key: str) -> str | None:
+  """The store's value of `key`, or None while it is not written (anything else is raised)."""
+  try:
+    return client.key_value_try_get(key)
+  except Exception as error:  # NOT_FOUND: not written yet
+    if "NOT_FOUND" in str(error):
+      return None
+    raise
+
+
 def run_finished() -> bool:
   """Whether process 0 has said it is done (`Watchdog.finish`)."""
-  try:
-    return compat.coordination_client().key_value_try_get("layup_jax/done/0") is not None
-  except Exception as error:  # NOT_FOUND: not yet
-    if "NOT_FOUND" in str(error):
-      return False
-    raise
+  return try_get(compat.coordination_client(), "layup_jax/done/0") is not None
 
 
 def _read_gather(client, prefix: str) -> list[bytes]:
@@ -479,12 +484,7 @@ class Watchdog:
     self._die("the run ended before this process could rejoin it", "Nothing to do")
 
   def _value(self, key: str) -> str | None:
-    try:
-      return self._client.key_value_try_get(key)
-    except Exception as error:  # NOT_FOUND: not written yet (anything else is raised)
-      if "NOT_FOUND" in str(error):
-        return None
-      raise
+    return try_get(self._client, key)
 
   def _exists(self, key: str) -> bool:
     return self._value(key) is not None

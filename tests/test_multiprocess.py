@@ -61,12 +61,34 @@ def _interrupt_after_first_checkpoint(command, work, interrupt, timeout=60, chec
 
 
 def _kill_process_1(work):
-  def kill(_launcher):
-    victim = subprocess.run(["pgrep", "-f", f"workdir {work} .*process_id=1"],
-                            capture_output=True, text=True, check=True).stdout.split()
-    assert len(victim) == 1, victim
-    os.kill(int(victim[0]), signal.SIGKILL)
-  return kill
+  return lambda _launcher: _sigkill(work, 1)
+
+
+def _sigkill(work, k: int) -> None:
+  """SIGKILLs process k of the run writing to `work` (found by its command line)."""
+  victim = subprocess.run(["pgrep", "-f", f"workdir {work} .*process_id={k}"],
+                          capture_output=True, text=True, check=True).stdout.split()
+  assert len(victim) == 1, victim
+  os.kill(int(victim[0]), signal.SIGKILL)
+
+
+def _kill_process_2_of_3x2(work, settings: dict, launch_flag: str, at_step: int) -> tuple:
+  """Starts 3 processes x 2 devices on the digits through the launcher with `launch_flag`
+  (--keep-going, or --restart N), SIGKILLs process 2 once a test record at `at_step` or later
+  is written, and returns the launcher's exit status and output."""
+  command = [sys.executable, "-m", "layup_jax.launch", "--processes", "3",
+             "--devices-per-process", "2", *launch_flag.split(), "--", "--config",
+             "configs/digits.py", "--workdir", str(work), "--config.num_devices=6",
+             *_overrides(settings)]
+  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for_test_record(work, at_step, launcher)
+    _sigkill(work, 2)
+    output = launcher.communicate(timeout=600)[0]
+  finally:
+    launcher.kill()
+  return launcher.returncode, output
 
 
 def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_process(tmp_path):
@@ -332,25 +354,8 @@ def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):
   settings = {"algorithm": "layup", "num_steps": 150, "eval_every": 30, "progress_bar": False,
               "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "elastic"
-  command = [sys.executable, "-m", "layup_jax.launch", "--processes", "3",
-             "--devices-per-process", "2", "--keep-going", "--", "--config", "configs/digits.py",
-             "--workdir", str(work), "--config.num_devices=6", *_overrides(settings)]
-  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-  try:
-    deadline = time.monotonic() + 600
-    while not any(r["step"] >= 60 and r["split"] == "test" for r in _records(work)):
-      assert launcher.poll() is None, launcher.communicate()[0][-3000:]
-      assert time.monotonic() < deadline, "no evaluation at step 60"
-      time.sleep(0.2)
-    victim = subprocess.run(["pgrep", "-f", f"workdir {work} .*process_id=2"],
-                            capture_output=True, text=True, check=True).stdout.split()
-    assert len(victim) == 1, victim
-    os.kill(int(victim[0]), signal.SIGKILL)
-    output = launcher.communicate(timeout=600)[0]
-  finally:
-    launcher.kill()
-  assert launcher.returncode == 0, output[-3000:]
+  status, output = _kill_process_2_of_3x2(work, settings, "--keep-going", at_step=60)
+  assert status == 0, output[-3000:]
   assert "launch: process 2 was killed by SIGKILL; the others go on (--keep-going)" in output
   assert output.count("process 2 lost at step") == 1, output[-3000:]
   lost_at = int(re.search(r"process 2 lost at step (\d+); 4 devices train on", output)[1])
@@ -372,8 +377,8 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
   """3 processes x 2 devices, LayUp on the digits, started by the launcher with `--restart 1`:
   process 2 is SIGKILLed at 20 % of the run and the launcher starts its command again at once
   (as a cluster's restart policy would; on 2 cores the restarted process needs about a minute
-  to compile beside the two that train, so a kill at 40 % would need a longer run). It waits until its earlier run is declared lost;
-  meanwhile the others train on (weights renormalised over 4 devices); it rejoins at a later
+  to compile beside the two that train, so a kill at 40 % would need a longer run). It waits
+  until its earlier run is declared lost; meanwhile the others train on (weights renormalised over 4 devices); it rejoins at a later
   consistent point (an evaluation's step, or a checkpoint's: none is written after the loss),
   each of its devices taking a live device's replica with half its weight. The run ends with
   status 0; every average after the rejoin holds 6 devices with weights summing to 1 within
@@ -383,22 +388,9 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
               "checkpoint.every": 250, "progress_bar": False,
               "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "rejoin"
-  command = [sys.executable, "-m", "layup_jax.launch", "--processes", "3",
-             "--devices-per-process", "2", "--restart", "1", "--", "--config",
-             "configs/digits.py", "--workdir", str(work), "--config.num_devices=6",
-             *_overrides(settings)]
-  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-  try:
-    _wait_for_test_record(work, int(0.2 * steps), launcher)
-    victim = subprocess.run(["pgrep", "-f", f"workdir {work} .*process_id=2"],
-                            capture_output=True, text=True, check=True).stdout.split()
-    assert len(victim) == 1, victim
-    os.kill(int(victim[0]), signal.SIGKILL)
-    output = launcher.communicate(timeout=600)[0]
-  finally:
-    launcher.kill()
-  assert launcher.returncode == 0, output[-3000:]
+  status, output = _kill_process_2_of_3x2(work, settings, "--restart 1",
+                                          at_step=int(0.2 * steps))
+  assert status == 0, output[-3000:]
   assert "launch: process 2 was killed by SIGKILL; starting it again (--restart, 1 of 1)" \
       in output
   lost = re.findall(r"process 2 lost at step (\d+); 4 devices train on", output)
