@@ -2,12 +2,14 @@
 # The GPU checks of the runtime's speed, in one run on a lent GPU machine (docs/host.md):
 #   bench_host  --cases resnet18-cifar --algorithms layup   the host's time per device-iteration on
 #               that machine's CPU cores (8 fake CPU devices: the host's dispatch cost where the
-#               cores are not shared with the device work, as they are on a 2-core machine)
+#               cores are not shared with the device work, as they are on a 2-core machine); this
+#               tree also with one thread and at per_layer granularity
 #   bench_step  --cases resnet18-cifar-b128 gpt2-124m-bf16  runtime and fused step on the GPU, MFU
 # for this tree and, given BEFORE (another checkout of the project), for that one too, with this
 # tree's benchmark scripts copied into it so that both are measured by the same harness. Each
-# command has its own time limit, so that one overrun leaves the others' figures; the JSON and
-# logs go to $OUT (or ./bench_gpu_out).
+# command has its own time limit, so that one overrun leaves the others' figures; the JSON go to
+# $OUT (or ./bench_gpu_out), the logs into one logs.tar.gz there (the device tool brings back at
+# most 8 files).
 #
 #   bash scripts/bench_gpu.sh [BEFORE]
 set -uo pipefail
@@ -29,15 +31,22 @@ run() {  # name limit command...
   echo "exit $? after ${SECONDS}s"
   tail -n 4 "$out/$name.log"
 }
-for tree in "${trees[@]}"; do
-  tag=$([[ "$tree" == "." ]] && echo after || echo before)
-  (cd "$tree" && JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-    run "host_$tag" 90 python3 scripts/bench_host.py --cases resnet18-cifar --algorithms layup \
-    --repeats 5 --steps 15 --out "$out/bench_host_$tag.json")
-done
+host() {  # tag limit extra-arguments...: bench_host on ResNet-18's structure, 8 fake CPU devices
+  local tag=$1 limit=$2
+  shift 2
+  JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    run "host_$tag" "$limit" python3 scripts/bench_host.py --cases resnet18-cifar \
+    --algorithms layup --repeats 5 --steps 15 "$@" --out "$out/bench_host_$tag.json"
+}
+host after 90 --updater-thread on off
+host after_per_layer 60 --granularity per_layer
+if [[ -n "$before" ]]; then
+  (cd "$before" && host before 60)  # an older checkout may know neither option above
+fi
 for tree in "${trees[@]}"; do
   tag=$([[ "$tree" == "." ]] && echo after || echo before)
   (cd "$tree" && run "step_$tag" 160 python3 scripts/bench_step.py \
     --cases resnet18-cifar-b128 gpt2-124m-bf16 --sides runtime fused --repeats 5 \
     --out "$out/bench_step_$tag.json")
 done
+(cd "$out" && tar czf logs.tar.gz ./*.log && rm -f ./*.log)

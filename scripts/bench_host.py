@@ -74,20 +74,27 @@ SERIAL = ("layup", "gosgd")  # also timed with every iteration dispatched from o
 def shrunk_model(case: str, granularity: str = "per_block") -> tuple[stages.StagedModel, str]:
   """The case's stage structure at negligible size, and its input kind; `granularity` is
   `model.granularity` (per_layer: every convolution, or each half of a transformer block, a
-  stage of its own)."""
+  stage of its own). The default granularity is passed by omission, so that this script also
+  measures an older checkout of the package (`scripts/bench_gpu.sh BEFORE`)."""
+  fine = {} if granularity == "per_block" else {"granularity": granularity}
   if case == "resnet18-cifar":
-    return stages.StagedModel(resnet.resnet((2, 2, 2, 2), (2, 2, 2, 2), 10,
-                                            granularity=granularity)), "image"
+    return stages.StagedModel(resnet.resnet((2, 2, 2, 2), (2, 2, 2, 2), 10, **fine)), "image"
   if case == "resnet50-cifar":
     return stages.StagedModel(resnet.resnet((3, 4, 6, 3), (2, 2, 2, 2), 10, bottleneck=True,
-                                            granularity=granularity)), "image"
+                                            **fine)), "image"
   if case == "digits":  # configs/digits.py's structure: widths (16, 32), one block each
-    return stages.StagedModel(resnet.small_resnet((2, 2), 1, 10, granularity)), "image"
+    return stages.StagedModel(resnet.small_resnet((2, 2), 1, 10, **fine)), "image"
   if case == "gpt2-124m":  # 12 blocks between the embedding and the tied head: 14 stages
     gpt2.SIZES["bench-124m-shape"] = gpt2.GPT2Size(num_layers=12, embed_dim=8, num_heads=2)
-    return gpt2.gpt2("bench-124m-shape", vocab_size=16, max_len=4,
-                     granularity=granularity), "tokens"
+    return gpt2.gpt2("bench-124m-shape", vocab_size=16, max_len=4, **fine), "tokens"
   raise ValueError(case)
+
+
+def threads_cpu_s(runtime) -> float | None:
+  """CPU time of the runtime's threads so far (None: a runtime that does not count it, as in
+  checkouts before the statistics object)."""
+  stats = getattr(runtime, "stats", None)
+  return stats.host_cpu_s() if stats is not None else None
 
 
 def batches(kind: str, seed: int, count: int = 4):
@@ -221,12 +228,12 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
   walls, cpus, threads = [], [], []
   for _ in range(repeats):
     target = runtime.iterations_done() + per_block
-    wall, cpu, thread = time.perf_counter(), time.process_time(), runtime.stats.host_cpu_s()
+    wall, cpu, thread = time.perf_counter(), time.process_time(), threads_cpu_s(runtime)
     runtime.run_until(target, lambda done: None)
     walls.append(time.perf_counter() - wall)
     cpus.append(time.process_time() - cpu)
     if thread is not None:
-      threads.append(runtime.stats.host_cpu_s() - thread)
+      threads.append(threads_cpu_s(runtime) - thread)
   counter = Counter()
   restore = counter.install(runtime)
   runtime.run_until(runtime.iterations_done() + per_block, lambda done: None)
