@@ -93,8 +93,8 @@ def shrunk_model(case: str, granularity: str = "per_block") -> tuple[stages.Stag
 def threads_cpu_s(runtime) -> float | None:
   """CPU time of the runtime's threads so far (None: a runtime that does not count it, as in
   checkouts before the statistics object)."""
-  stats = getattr(runtime, "stats", None)
-  return stats.host_cpu_s() if stats is not None else None
+  host_cpu_s = getattr(getattr(runtime, "stats", None), "host_cpu_s", None)
+  return host_cpu_s() if host_cpu_s is not None else None
 
 
 def batches(kind: str, seed: int, count: int = 4):
