@@ -653,7 +653,9 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
                f"{', '.join(map(str, args['seeds']))}; time to test accuracy {target} "
                "(training time, evaluation excluded; every evaluation counted, nothing "
                f"interpolated); mean ± std over seeds; {bench['measured']}, code "
-               f"{bench['code']}."), "",
+               f"{bench['code']}"
+               + (f" ({bench['code_version_note']})" if bench.get("code_version_note") else "")
+               + "."), "",
               ("| algorithm | layout | link | time to target s | reached | final accuracy | "
                "samples/s | counted kB/it |"), "|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list[dict]] = {}
