@@ -272,12 +272,17 @@ class Checkpoints:
 
   Saves run in order on one background thread (packing, then Orbax, which writes the files on
   its own threads); a save's error is raised by the next `save` or by `wait`.
+
+  `processes` (an elastic run after a loss, `limit_to`): the processes that save, Orbax's
+  active processes, whose barriers wait for them alone; `None`: every process of the run.
   """
 
   def __init__(self, directory: pathlib.Path, keep: int, async_save: bool = True,
                read_only: bool = False):
     self.directory = directory.absolute()
     self._keep, self._async, self._read_only = keep, async_save, read_only
+    self.processes: tuple[int, ...] | None = None
+    self._since_step = 0
     self._manager = self._open()
     self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
     self._pending: list[concurrent.futures.Future] = []
@@ -290,11 +295,31 @@ class Checkpoints:
       compat.use_orbax_coordination_barrier()
     # Read only (another run's folder): no folder created, no leftover temporary save of a run
     # that may still be writing there cleaned up.
+    multiprocessing = ocp.options.MultiprocessingOptions()
+    if self.processes is not None:  # every member opens it at the same step: the same prefix
+      multiprocessing = ocp.options.MultiprocessingOptions(
+          active_processes=set(self.processes),
+          barrier_sync_key_prefix=f"live-{'-'.join(map(str, self.processes))}-"
+                                  f"{self._since_step}")
+    # With active processes Orbax leaves the folder to us: the run's first manager made it.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=self._keep, enable_async_checkpointing=self._async,
-        create=not self._read_only, cleanup_tmp_directories=not self._read_only,
-        read_only=self._read_only)
+        create=not self._read_only and self.processes is None,
+        cleanup_tmp_directories=not self._read_only,
+        read_only=self._read_only, multiprocessing_options=multiprocessing)
     return ocp.CheckpointManager(self.directory, options=options)
+
+  def limit_to(self, processes, step: int) -> None:
+    """Saves from `step` on among `processes` only (an elastic run that lost a process): once
+    the saves under way are written, a manager of their own; the earlier one is dropped, not
+    closed, since closing it would wait for every process of its set. Every member calls it
+    at the same step."""
+    processes = tuple(sorted(processes))
+    if processes == self.processes:
+      return
+    self.wait()
+    self.processes, self._since_step = processes, step
+    self._manager = self._open()
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())

@@ -360,14 +360,16 @@ def all_gather_pickled(value) -> list:
   return parts
 
 
-def data_states(iterators, devices) -> list:
+def data_states(iterators, devices, processes=None) -> list:
   """Every device's train-iterator state, in device order, each read by the process that feeds
-  the device (the others' copies of an iterator never advance)."""
+  the device (the others' copies of an iterator never advance); with `processes` (an elastic
+  run's checkpoint after a loss), their devices' only."""
   mine = {str(i): iterators[i].get_state() for i in local_positions(devices)}
   merged = {}
   for part in all_gather_json(mine):
     merged.update(part)
-  return [merged[str(i)] for i in range(len(iterators))]
+  return [merged[str(i)] for i, device in enumerate(devices)
+          if processes is None or device.process_index in processes]
 
 
 _FAREWELL_S = 120.0  # how long process 0 of an elastic run waits for the others at the end

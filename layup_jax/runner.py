@@ -81,10 +81,12 @@ def eval_steps(num_steps: int, eval_every: int) -> list[int]:
   return steps + [num_steps]
 
 
-def _restore_data(dataset: data.Dataset, saved: list[dict], step: int) -> None:
-  """Each device's iterator where it stopped; on another device count, every device at the
-  same share of the data order (the samples already seen are skipped, not their exact order)."""
-  if len(saved) == len(dataset.train):
+def _restore_data(dataset: data.Dataset, saved: list[dict], step: int, exact: bool = True) -> None:
+  """Each device's iterator where it stopped; on another device count, or from a checkpoint
+  that an elastic run wrote after losing a process (not `exact`: its devices read shards of
+  another count), every device at the same share of the data order (the samples already seen
+  are skipped, not their exact order)."""
+  if exact and len(saved) == len(dataset.train):
     for iterator, state in zip(dataset.train, saved):
       iterator.set_state(state)
     return
@@ -118,7 +120,9 @@ def _restore(config, runtime, dataset, checkpoints: Checkpoints) -> tuple[int, f
     return None
   step, arrays, meta = restored
   runtime.checkpoint.load_state_dict(arrays, meta["runtime"])
-  _restore_data(dataset, meta["data"], step)
+  saved = meta["runtime"]  # written on fewer devices than its run had: after a loss
+  _restore_data(dataset, meta["data"], step,
+                exact=saved.get("devices_of_run") in (None, saved.get("num_devices")))
   logging.warning("resumed from the checkpoint %s/%d (step %d)", source, step, step)
   return step, float(meta["train_time_s"])
 
@@ -155,7 +159,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     session.restore()  # restore (or start), then compile
     session.compile()
     hooks = [Every(config.eval_every, session.evaluate)]
-    if config.checkpoint.enabled:  # (a process that rejoined saves none, but stops where all do)
+    if config.checkpoint.enabled:
       hooks.append(Every(config.checkpoint.every, session.save))
     step = session.train(hooks, should_stop)  # the loop
     if step < session.num_steps and not session.stopped_at_target:
@@ -221,8 +225,8 @@ class Session:
     """Opens the checkpoints (after a storage check) and resumes from the newest readable one,
     else from `config.restore`; opens the records, kept up to the step resumed from."""
     config = self.config
-    # A process that rejoins a running run takes its state from live peers (`_rejoin`), and an
-    # elastic run that lost a process writes no more checkpoints.
+    # A process that rejoins a running run takes its state from live peers (`_rejoin`) and
+    # saves no checkpoints (`save`).
     if config.checkpoint.enabled and not distributed.members.rejoining:
       checkpointing.check_storage(
           self.workdir, checkpointing.tree_bytes(self.runtime.checkpoint.state_dict()[0]),
@@ -381,23 +385,26 @@ class Session:
       self._bar.set_postfix(acc=f"{record['accuracy']:.3f}", loss=f"{record['loss']:.3f}")
 
   def save(self, step: int) -> None:
-    """A checkpoint at `step` (once); the time training waits for it counts as training time."""
+    """A checkpoint at `step` (once); the time training waits for it counts as training time.
+    After an elastic run lost a process, the live processes save their devices' replicas
+    (`RuntimeCheckpoint`), Orbax's barriers waiting for them alone; a process that rejoined
+    takes part in the checkpoint's gathers but saves nothing."""
     if step == self._saved_step:
-      return
-    if getattr(self.runtime, "processes_lost", False):
-      if self._saved_step != -1 and self.primary:
-        print(f"checkpoints stop at step {step}: a process was lost, and a checkpoint holds every "
-              f"process's replicas (a rerun resumes from the last one before the loss)",
-              file=sys.stderr, flush=True)
-      self._saved_step = -1
       return
     self._saved_step = step
     started = time.perf_counter()
     arrays, runtime_meta = self.runtime.checkpoint.state_dict()
+    lost = getattr(self.runtime, "processes_lost", False)
+    members = runtime_meta["processes"] if lost else None
+    data_states = distributed.data_states(self.dataset.train, self.devices, members)
+    if self.checkpoints is None:  # this process rejoined: it took part, and writes nothing
+      return
+    if lost:
+      self.checkpoints.limit_to(members, step)
     self.checkpoints.save(step, arrays, {
         "step": step, "train_time_s": self.train_time, "runtime": runtime_meta,
-        "data": distributed.data_states(self.dataset.train, self.devices),
-        "config": self.config.to_json_best_effort(), "saved_at": time.time()},
+        "data": data_states, "config": self.config.to_json_best_effort(),
+        "saved_at": time.time()},
         arrays_stay_valid=self.runtime.checkpoint.arrays_stay_valid)
     self.train_time += time.perf_counter() - started
 

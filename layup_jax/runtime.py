@@ -86,6 +86,9 @@ class AsyncRuntime:
     # An elastic run (gossip across processes) trains on when a process is lost: set at the
     # first consistent point that finds one (every survivor finds it at the same one).
     self.processes_lost = False
+    # A process that rejoined its run writes no checkpoint rows: the coordination service's
+    # barriers, which Orbax's saves use, did not complete with a restarted process (docs/elastic.md).
+    self.saves_checkpoints = True
     # Iterations each device counts as done without having run them (it rejoined at a step).
     self._joined_at = [0] * self.num_devices
     if self.across_processes:
@@ -451,6 +454,7 @@ class AsyncRuntime:
       replica.iteration = self._joined_at[i] = step
     self.restored(step * self.num_devices)
     self.processes_lost = True
+    self.saves_checkpoints = False
     self._start_threads()  # the receiver loops merge the shares (nothing else is granted yet)
     deadline = time.monotonic() + 120
     while not all(self.store.holds_weight(i, s) for i in range(self.num_devices)

@@ -5,12 +5,17 @@ replica and stage keys (the rows this process writes of one array per dtype,
 `checkpointing.DeviceRows`), the exchange's own state, and metadata: iterations, push-sum
 weights, peer samplers, straggler clocks, losses not yet recorded, skip counts. Across
 processes each process writes its own devices' rows and process 0 the rest, gathered; a
-checkpoint of one process resumes on another device count (remapped, layup_jax/remap.py).
+checkpoint resumes on another device count (remapped, layup_jax/remap.py). An elastic run that
+lost a process writes the live processes' devices only (the rows the gather's members hold), so
+its checkpoints hold fewer devices than the run started with.
 """
 
 from typing import Any
 
-from layup_jax import crossprocess, distributed
+import jax
+import numpy as np
+
+from layup_jax import crossprocess, distributed, remap
 from layup_jax.checkpointing import DeviceRows
 from layup_jax.errors import ConfigError
 
@@ -76,40 +81,67 @@ class RuntimeCheckpoint:
     parts = distributed.all_gather_pickled({
         "arrays": crossprocess.host_tree({k: v for k, v in exchange_arrays.items()
                                           if k not in same}),
-        "meta": meta, "first": self.rt.first})
-    whole = {key: arrays[key] for key in _OWN_ARRAYS}
+        "meta": meta, "first": self.rt.first, "process": jax.process_index(),
+        "saves": self.rt.saves_checkpoints})
+    # The gather's members (after a loss, the live processes) write the rows of their devices;
+    # a process that rejoined takes part in the gather but writes none (`saves_checkpoints`).
+    parts = [part for part in parts if part["saves"]]
+    members = {part["process"] for part in parts}
+    live = [g for g, device in enumerate(self.rt.run_devices) if device.process_index in members]
+    devices = tuple(self.rt.run_devices[g] for g in live)
+    whole = {key: DeviceRows(list(arrays[key]), live.index(self.rt.first), len(live), devices)
+             for key in _OWN_ARRAYS if self.rt.saves_checkpoints}
     exchange_arrays, exchange_meta = self.extra.whole_run_state(
         [({**own_copy, **part["arrays"]}, part["meta"]["exchange"], part["first"])
          for part in parts])
     whole.update(exchange_arrays)
-    whole_meta = {**meta, "num_devices": self.rt.total_devices, "exchange": exchange_meta,
-                  "iterations_done": sum(part["meta"]["iterations_done"] for part in parts)}
+    whole_meta = {**meta, "num_devices": len(live), "exchange": exchange_meta,
+                  "iterations_done": sum(part["meta"]["iterations_done"] for part in parts),
+                  "processes": sorted(members), "devices_of_run": self.rt.total_devices}
     for key in self._PER_DEVICE_META:
       whole_meta[key] = [x for part in parts for x in part["meta"][key]]
     return whole, whole_meta
 
   def _own_part(self, arrays: PyTree, meta: dict[str, Any]) -> tuple[PyTree, dict]:
-    """This process's devices' part of a whole-run checkpoint (`_whole_run_state`); its
-    replicas are this process's already (`restore_template`)."""
-    self._check_same_devices(meta)
-    own = slice(self.rt.first, self.rt.first + self.rt.num_devices)
-    part = {key: arrays[key] for key in _OWN_ARRAYS}
-    if any(len(part[key]) != self.rt.num_devices for key in _OWN_ARRAYS):
-      raise ValueError("across processes a state holds this process's replicas only")
-    exchange_arrays, exchange_meta = self.extra.own_part(
-        _exchange_arrays(arrays), meta["exchange"], self.rt.first, self.rt.num_devices)
-    part.update(exchange_arrays)
-    part_meta = {**meta, "num_devices": self.rt.num_devices, "exchange": exchange_meta,
-                 "iterations_done": meta["iterations_done"] // self.rt.total_devices
-                 * self.rt.num_devices}
-    for key in self._PER_DEVICE_META:
-      part_meta[key] = meta[key][own]
+    """This process's devices' part of a whole-run checkpoint (`_whole_run_state`): its rows,
+    or, from a checkpoint of another device count (an elastic run's, written after a loss),
+    its devices' part of every saved replica remapped to this run's count as one process
+    remaps them (`remap.remap_replicas`; every process read every row, `restore_template`)."""
+    saved, count = meta["num_devices"], self.rt.num_devices
+    own = range(self.rt.first, self.rt.first + count)
+    if saved == self.rt.total_devices:
+      part = {key: arrays[key] for key in _OWN_ARRAYS}
+      if any(len(part[key]) != count for key in _OWN_ARRAYS):
+        raise ValueError("across processes a state holds this process's replicas only")
+      exchange_arrays, exchange_meta = self.extra.own_part(
+          _exchange_arrays(arrays), meta["exchange"], self.rt.first, count)
+      part.update(exchange_arrays)
+      per_device = {key: [meta[key][k] for k in own] for key in self._PER_DEVICE_META}
+    else:
+      host = jax.tree.map(np.asarray, list(arrays["replicas"]))
+      trees, weights, source = remap.remap_replicas(host, meta["weights"], self.rt.total_devices)
+      fresh = self.rt.store.arrays()["stage_keys"]  # a device that did not exist keeps its own
+      part = {"replicas": [trees[k] for k in own],
+              "stage_keys": [arrays["stage_keys"][k] if k < saved else fresh[k - own.start]
+                             for k in own]}
+      exchange_meta = meta["exchange"]
+      per_device = {"weights": [weights[k] for k in own],
+                    "iterations": [meta["iterations"][source[k]] for k in own],
+                    "peer_rngs": self.rt.peers.get_state(),
+                    "clocks": [meta["clocks"][source[k]] for k in own],
+                    "losses": [[] for _ in own],
+                    "skipped": [meta["skipped"][source[k]] for k in own]}
+    part_meta = {**meta, "num_devices": count, "exchange": exchange_meta,
+                 "iterations_done": meta["iterations_done"] // saved * count, **per_device}
     return part, part_meta
 
-  def _check_same_devices(self, meta: dict[str, Any]) -> None:
-    if meta["num_devices"] != self.rt.total_devices:
+  def _check_remappable(self, meta: dict[str, Any]) -> None:
+    """Across processes, a checkpoint of another device count resumes remapped only where the
+    algorithm keeps no state of its own beyond the replicas (the gossip algorithms')."""
+    if meta["num_devices"] != self.rt.total_devices and not isinstance(self.extra, _NoState):
       raise ConfigError(f"this checkpoint holds {meta['num_devices']} devices' replicas; across "
-                        f"processes a run resumes on as many ({self.rt.total_devices} here)")
+                        f"processes this algorithm resumes on as many ({self.rt.total_devices} "
+                        f"here)")
 
   def _check_format(self, meta: dict[str, Any]) -> None:
     if meta.get("format") != CHECKPOINT_FORMAT:
@@ -120,13 +152,15 @@ class RuntimeCheckpoint:
 
   def restore_template(self, meta: dict[str, Any]) -> PyTree:
     """Across processes, this process's devices' replicas (their rows of the checkpoint); in
-    one process, every saved replica (remapped by `load_state_dict` to another count)."""
+    one process, or across processes from a checkpoint of another device count, every saved
+    replica (remapped by `load_state_dict`)."""
     self._check_format(meta)
-    if self.rt.across_processes:
-      self._check_same_devices(meta)
+    if self.rt.across_processes and meta["num_devices"] == self.rt.total_devices:
       template = {key: DeviceRows(value, self.rt.first, self.rt.total_devices, self.rt.run_devices)
                   for key, value in self.rt.store.restore_template(self.rt.num_devices).items()}
-    else:
+    else:  # one process, or another device count across processes: every saved row
+      if self.rt.across_processes:
+        self._check_remappable(meta)
       template = {key: DeviceRows(value) for key, value in
                   self.rt.store.restore_template(meta["num_devices"]).items()}
     template.update(self.extra.restore_template(meta["exchange"]))

@@ -72,15 +72,20 @@ def _sigkill(work, k: int) -> None:
   os.kill(int(victim[0]), signal.SIGKILL)
 
 
+def _launch_3x2(work, settings: dict, launch_flag: str = "") -> list[str]:
+  """The launcher's command for 3 processes x 2 devices on the digits."""
+  return [sys.executable, "-m", "layup_jax.launch", "--processes", "3",
+          "--devices-per-process", "2", *launch_flag.split(), "--", "--config",
+          "configs/digits.py", "--workdir", str(work), "--config.num_devices=6",
+          *_overrides(settings)]
+
+
 def _kill_process_2_of_3x2(work, settings: dict, launch_flag: str, at_step: int) -> tuple:
   """Starts 3 processes x 2 devices on the digits through the launcher with `launch_flag`
   (--keep-going, or --restart N), SIGKILLs process 2 once a test record at `at_step` or later
   is written, and returns the launcher's exit status and output."""
-  command = [sys.executable, "-m", "layup_jax.launch", "--processes", "3",
-             "--devices-per-process", "2", *launch_flag.split(), "--", "--config",
-             "configs/digits.py", "--workdir", str(work), "--config.num_devices=6",
-             *_overrides(settings)]
-  launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+  launcher = subprocess.Popen(_launch_3x2(work, settings, launch_flag), cwd=ROOT,
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
   try:
     _wait_for_test_record(work, at_step, launcher)
@@ -350,7 +355,10 @@ def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):
   digits, started by the launcher with --keep-going: process 2 is SIGKILLed at ~40 % of the run;
   processes 0 and 1 do not exit, train to the end and reach >= 0.95; the survivors' per-stage
   weights sum to 1 within 1e-9 after renormalisation; process 0's log names the lost process
-  once, at a step after the kill."""
+  once, at a step after the kill. The final checkpoint, written after the loss, holds the
+  survivors' 4 devices (Orbax's barriers among processes 0 and 1 only): the same command
+  resumes from it on all 6 devices, and one process on 6 devices, both remapping the 4
+  replicas, and each evaluates the run's final model (the push-sum average is unchanged)."""
   settings = {"algorithm": "layup", "num_steps": 150, "eval_every": 30, "progress_bar": False,
               "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "elastic"
@@ -364,6 +372,24 @@ def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):
   assert summary["final_eval_accuracy"] >= 0.95
   assert summary["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
   assert summary["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
+
+  final = work / "checkpoints" / "150"
+  meta = json.loads((final / "meta" / "metadata").read_text())["runtime"]
+  assert (meta["num_devices"], meta["processes"], meta["devices_of_run"]) == (4, [0, 1], 6)
+  assert {p.name for p in (final / "arrays").glob("ocdbt.process_*")} == {
+      "ocdbt.process_0", "ocdbt.process_1"}
+  at_end = [r for r in read_metrics(work) if r["split"] == "test"][-1]
+  assert at_end["step"] == 150
+  again = subprocess.run(_launch_3x2(work, settings), cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, check=False)
+  assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+  config = digits.get_config()
+  base.set_values(config, {**settings, "num_devices": 6, "restore": str(final)})
+  resumed = {"3x2": json.loads((work / "summary.json").read_text()),
+             "one process": runner.run(config, tmp_path / "one")}
+  for name, summary in resumed.items():
+    assert summary["resumed_from_step"] == 150, name
+    assert summary["final_eval_loss"] == pytest.approx(at_end["loss"], rel=1e-5), name
 
 
 def _records(work) -> list[dict]:
@@ -379,10 +405,12 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
   (as a cluster's restart policy would; on 2 cores the restarted process needs about a minute
   to compile beside the two that train, so a kill at 40 % would need a longer run). It waits
   until its earlier run is declared lost; meanwhile the others train on (weights renormalised over 4 devices); it rejoins at a later
-  consistent point (an evaluation's step, or a checkpoint's: none is written after the loss),
+  consistent point (an evaluation's step, or a checkpoint's),
   each of its devices taking a live device's replica with half its weight. The run ends with
   status 0; every average after the rejoin holds 6 devices with weights summing to 1 within
-  1e-9, the rejoined devices' iterations count, and the run reaches >= 0.95 on the digits."""
+  1e-9, the rejoined devices' iterations count, and the run reaches >= 0.95 on the digits;
+  the checkpoints after the loss hold the survivors' 4 devices (the rejoined process writes
+  none)."""
   steps = 3600
   settings = {"algorithm": "layup", "num_steps": steps, "eval_every": 60,
               "checkpoint.every": 250, "progress_bar": False,
@@ -411,6 +439,9 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
   summary = json.loads((work / "summary.json").read_text())
   assert summary["final_eval_accuracy"] >= 0.95
   assert min(summary["device_samples_per_s"][4:]) > 0  # process 2's devices trained again
+  # Checkpoints after the loss are the survivors': the rejoined process writes none.
+  final = json.loads((work / "checkpoints" / str(steps) / "meta" / "metadata").read_text())
+  assert (final["runtime"]["num_devices"], final["runtime"]["processes"]) == (4, [0, 1])
 
 
 def _wait_for_test_record(work, step: int, process: subprocess.Popen) -> None:
