@@ -5,7 +5,8 @@
 
 Per seed: the run uninterrupted, then the same run with process `--victim` (not 0) SIGKILLed
 once `--kill-at` of the steps are done (read from process 0's progress log,
-`metrics.progress_every_s`). Each process is started as a cluster's starter would (no launcher:
+`metrics.progress_every_s`); with `--restart-at`, its command is started again once that
+fraction of the steps is done, and it rejoins (docs/elastic.md). Each process is started as a cluster's starter would (no launcher:
 the launcher stops every process when one dies). Reported per killed run:
 
 - `samples_per_s_before` / `_after`: the survivors' samples per second per device in the
@@ -14,7 +15,13 @@ the launcher stops every process when one dies). Reported per killed run:
   detection, about `distributed.heartbeat_timeout_s`);
 - `longest_stall_s`: the longest time after the kill in which a survivor did no iteration (what
   waited on the lost process: a consistent point's acknowledgements and gather);
-- final accuracy against the uninterrupted run's, and the weight sums at the end.
+- final accuracy against the uninterrupted run's, and the weight sums at the end;
+- restarted: the step it rejoined at (its line `process K rejoined the run at step S`), and
+  the devices in the final evaluation's average.
+
+    python scripts/bench_elastic.py --config configs/digits.py --num-steps 6000 --kill-at 0.4 \\
+        --restart-at 0.6 --no-uninterrupted --set num_steps=6000 --set eval_every=60 \\
+        --batch-size 16 --out rejoin_drill.json
 """
 
 import argparse
@@ -34,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from layup_jax import provenance
 from layup_jax.launch import commands, environment, free_port
+from layup_jax.metrics import read_metrics
 
 
 def progress(workdir: pathlib.Path, k: int) -> list[dict]:
@@ -43,7 +51,8 @@ def progress(workdir: pathlib.Path, k: int) -> list[dict]:
   return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def start(args, workdir: pathlib.Path, seed: int) -> list[subprocess.Popen]:
+def start(args, workdir: pathlib.Path, seed: int) -> tuple[list[subprocess.Popen], list, dict]:
+  """The run's processes, their commands and environment."""
   train = ["--config", args.config, "--workdir", str(workdir), f"--config.algorithm={args.algorithm}",
            f"--config.seed={seed}", f"--config.num_devices={args.processes * args.devices_per_process}",
            "--config.progress_bar=False", "--config.checkpoint.enabled=False",
@@ -51,9 +60,13 @@ def start(args, workdir: pathlib.Path, seed: int) -> list[subprocess.Popen]:
            f"--config.distributed.heartbeat_timeout_s={args.heartbeat_timeout_s}",
            *[f"--config.{o}" for o in args.set]]
   env = environment(args.devices_per_process)
-  return [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-          for command in commands(args.processes, free_port(), train)]
+  every = commands(args.processes, free_port(), train)
+  return [popen(command, env) for command in every], every, env
+
+
+def popen(command: list[str], env: dict) -> subprocess.Popen:
+  return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
 
 
 def read_lines(process: subprocess.Popen, lines: list) -> threading.Thread:
@@ -68,10 +81,10 @@ def read_lines(process: subprocess.Popen, lines: list) -> threading.Thread:
 
 def one_run(args, seed: int, kill: bool) -> dict:
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench_elastic_"))
-  processes = start(args, workdir, seed)
+  processes, every, env = start(args, workdir, seed)
   outputs = [[] for _ in processes]
   readers = [read_lines(p, out) for p, out in zip(processes, outputs)]
-  killed_at = None
+  killed_at = restarted_at = None
   try:
     if kill:
       while killed_at is None:
@@ -82,6 +95,16 @@ def one_run(args, seed: int, kill: bool) -> dict:
           killed_at = time.time()
         assert all(p.poll() is None for p in processes), "a process ended before the kill"
         time.sleep(0.05)
+    restart = kill and args.restart_at is not None
+    while restart and restarted_at is None:
+      rows = progress(workdir, 0)
+      assert processes[0].poll() is None, "the run ended before the restart"
+      if rows and rows[-1]["step"] >= args.restart_at * args.num_steps:
+        restarted_at = rows[-1]["step"]
+        outputs.append([])
+        processes.append(popen(every[args.victim], env))
+        readers.append(read_lines(processes[-1], outputs[-1]))
+      time.sleep(0.05)
     for k, p in enumerate(processes):
       if kill and k == args.victim:
         continue
@@ -93,7 +116,7 @@ def one_run(args, seed: int, kill: bool) -> dict:
       reader.join(timeout=5)
   statuses = [p.returncode for p in processes]
   survivors = [k for k in range(args.processes) if not (kill and k == args.victim)]
-  if any(statuses[k] != 0 for k in survivors):
+  if any(statuses[k] != 0 for k in [*survivors, *range(args.processes, len(processes))]):
     sys.exit(f"seed {seed} ({'killed' if kill else 'whole'}) failed: {statuses}\n"
              + "\n".join(line for _, line in outputs[0][-40:]))
   summary = json.loads((workdir / "summary.json").read_text())
@@ -104,6 +127,15 @@ def one_run(args, seed: int, kill: bool) -> dict:
          "weight_sum_max": summary.get("weight_sum_max")}
   if kill:
     row.update(around_the_kill(workdir, survivors, killed_at, outputs[0], args))
+  if restarted_at is not None:
+    rejoined = [line for _, line in outputs[-1] if "rejoined the run at step" in line]
+    final = [r for r in read_metrics(workdir) if r["split"] == "test"][-1]
+    row.update({"restarted_at_step": restarted_at,
+                "rejoined_at_step": int(rejoined[0].rsplit(" ", 1)[1]) if rejoined else None,
+                "final_devices_in_average": final.get("devices_in_average"),
+                "restarted_samples_per_s": summary["device_samples_per_s"][
+                    args.victim * args.devices_per_process:
+                    (args.victim + 1) * args.devices_per_process]})
   return row
 
 
@@ -146,6 +178,10 @@ def main() -> None:
   parser.add_argument("--devices-per-process", type=int, default=2)
   parser.add_argument("--victim", type=int, default=2)
   parser.add_argument("--kill-at", type=float, default=0.4, help="fraction of the steps")
+  parser.add_argument("--restart-at", type=float, default=None,
+                      help="fraction of the steps at which the victim's command starts again")
+  parser.add_argument("--no-uninterrupted", action="store_true",
+                      help="only the killed run (no accuracy comparison)")
   parser.add_argument("--num-steps", type=int, required=True,
                       help="the run's steps (702 for the Fashion-MNIST config), to place the kill")
   parser.add_argument("--batch-size", type=int, default=32, help="the config's, for samples/s")
@@ -161,24 +197,31 @@ def main() -> None:
     parser.error("--victim must be a process other than 0 (process 0's loss is not survived)")
   rows = []
   for seed in args.seeds:
-    for kill in (False, True):
+    for kill in (True,) if args.no_uninterrupted else (False, True):
       row = one_run(args, seed, kill)
       rows.append(row)
       print(json.dumps(row), flush=True)
-  whole = {r["seed"]: r for r in rows if not r["killed"]}
+  whole = {r["seed"]: r["final_accuracy"] for r in rows if not r["killed"]}
   killed = [r for r in rows if r["killed"]]
   print("\n| seed | final accuracy, uninterrupted | killed | difference (pt) | samples/s per "
-        "device after / before | declared s | longest stall s |")
-  print("|---|---|---|---|---|---|---|")
+        "device after / before | declared s | longest stall s | restarted / rejoined at step "
+        "| devices in the final average |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in killed:
     ratios = [x for x in r["after_over_before"] if x is not None]
-    print(f"| {r['seed']} | {whole[r['seed']]['final_accuracy']:.4f} | {r['final_accuracy']:.4f} "
-          f"| {100 * (r['final_accuracy'] - whole[r['seed']]['final_accuracy']):+.2f} | "
+    base = whole.get(r["seed"])
+    print(f"| {r['seed']} | {'-' if base is None else format(base, '.4f')} | "
+          f"{r['final_accuracy']:.4f} | "
+          f"{'-' if base is None else format(100 * (r['final_accuracy'] - base), '+.2f')} | "
           f"{', '.join(f'{x:.2f}' for x in ratios)} | "
           f"{'-' if r['declared_s'] is None else format(r['declared_s'], '.1f')} | "
-          f"{', '.join(f'{x:.1f}' for x in r['longest_stall_s'])} |")
-  differences = [r["final_accuracy"] - whole[r["seed"]]["final_accuracy"] for r in killed]
-  print(f"\nmean difference {100 * statistics.mean(differences):+.2f} pt over {len(killed)} seeds")
+          f"{', '.join(f'{x:.1f}' for x in r['longest_stall_s'])} | "
+          f"{r.get('restarted_at_step', '-')} / {r.get('rejoined_at_step', '-')} | "
+          f"{r.get('final_devices_in_average', '-')} |")
+  differences = [r["final_accuracy"] - whole[r["seed"]] for r in killed if r["seed"] in whole]
+  if differences:
+    print(f"\nmean difference {100 * statistics.mean(differences):+.2f} pt over "
+          f"{len(differences)} seeds")
   with open(args.out, "w") as f:
     json.dump({**provenance.stamp(), "args": vars(args), "runs": rows}, f, indent=1)
 
