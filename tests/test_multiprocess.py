@@ -357,8 +357,9 @@ def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):
   weights sum to 1 within 1e-9 after renormalisation; process 0's log names the lost process
   once, at a step after the kill. The final checkpoint, written after the loss, holds the
   survivors' 4 devices (Orbax's barriers among processes 0 and 1 only): the same command
-  resumes from it on all 6 devices, and one process on 6 devices, both remapping the 4
-  replicas, and each evaluates the run's final model (the push-sum average is unchanged)."""
+  resumes from it on all 6 devices, every process reading the 4 replicas and remapping them,
+  and evaluates the run's final model (the push-sum average is unchanged). (One process
+  resumes a checkpoint of another device count as tests/test_checkpoint.py shows.)"""
   settings = {"algorithm": "layup", "num_steps": 150, "eval_every": 30, "progress_bar": False,
               "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "elastic"
@@ -383,13 +384,9 @@ def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):
   again = subprocess.run(_launch_3x2(work, settings), cwd=ROOT, capture_output=True, text=True,
                          timeout=600, check=False)
   assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-  config = digits.get_config()
-  base.set_values(config, {**settings, "num_devices": 6, "restore": str(final)})
-  resumed = {"3x2": json.loads((work / "summary.json").read_text()),
-             "one process": runner.run(config, tmp_path / "one")}
-  for name, summary in resumed.items():
-    assert summary["resumed_from_step"] == 150, name
-    assert summary["final_eval_loss"] == pytest.approx(at_end["loss"], rel=1e-5), name
+  resumed = json.loads((work / "summary.json").read_text())
+  assert resumed["resumed_from_step"] == 150
+  assert resumed["final_eval_loss"] == pytest.approx(at_end["loss"], rel=1e-5)
 
 
 def _records(work) -> list[dict]:
