@@ -392,7 +392,8 @@ class AsyncRuntime:
         self._admit(iterations // self.num_devices)
     on_progress(self._budget.finished)
 
-  def _devices_of(self, processes) -> list[int]:
+  def devices_of(self, processes) -> list[int]:
+    """Positions in the run of the devices that `processes` drive."""
     return [g for g, device in enumerate(self.run_devices) if device.process_index in processes]
 
   def _on_lost(self, process: int, step: int) -> None:
@@ -401,13 +402,13 @@ class AsyncRuntime:
     if process == jax.process_index():  # this process, started again: it rejoins (`rejoin`)
       return
     self.transport.lose(process)
-    self.peers.lose(self._devices_of({process}))
+    self.peers.lose(self.devices_of({process}))
 
   def _on_rejoined(self, process: int) -> None:
     """Process `process` was admitted back (`_admit`): its devices are peers again, and a
     receiver loop takes its sends."""
     self._threads.start(self.transport.rejoin(process))
-    self.peers.rejoin(self._devices_of({process}))
+    self.peers.rejoin(self.devices_of({process}))
 
   def _admit(self, step: int) -> None:
     """At a consistent point of an elastic run that lost a process: admits a lost process that
@@ -429,8 +430,8 @@ class AsyncRuntime:
       members.admit(process, step)
     members.rejoined(process)
     lost = set(members.lost)
-    givers = self._devices_of(set(range(jax.process_count())) - lost - {process})
-    for n, device in enumerate(self._devices_of({process})):
+    givers = self.devices_of(set(range(jax.process_count())) - lost - {process})
+    for n, device in enumerate(self.devices_of({process})):
       i = self.transport.local(givers[n % len(givers)])
       if i is not None:
         for s in range(self.num_stages):
@@ -448,7 +449,7 @@ class AsyncRuntime:
     step, lost = admission["step"], {k for k, _ in admission["lost"]}
     self.transport.set_lost(lost)
     self.peers.rejoin(range(self.total_devices))
-    self.peers.lose(self._devices_of(lost))
+    self.peers.lose(self.devices_of(lost))
     for i, replica in enumerate(self.store.replicas):
       self.store.weights.values[i] = [0.0] * self.num_stages
       replica.iteration = self._joined_at[i] = step

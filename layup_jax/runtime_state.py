@@ -87,7 +87,7 @@ class RuntimeCheckpoint:
     # a process that rejoined takes part in the gather but writes none (`saves_checkpoints`).
     parts = [part for part in parts if part["saves"]]
     members = {part["process"] for part in parts}
-    live = [g for g, device in enumerate(self.rt.run_devices) if device.process_index in members]
+    live = self.rt.devices_of(members)
     devices = tuple(self.rt.run_devices[g] for g in live)
     whole = {key: DeviceRows(list(arrays[key]), live.index(self.rt.first), len(live), devices)
              for key in _OWN_ARRAYS if self.rt.saves_checkpoints}
