@@ -103,6 +103,15 @@ def local_positions(devices) -> list[int]:
   return [i for i, d in enumerate(devices) if d.process_index == me]
 
 
+def local_block(devices) -> range:
+  """Positions in `devices` of the devices this process drives, which must be consecutive (the
+  asynchronous runtime's indices are offsets from the first)."""
+  positions = local_positions(devices)
+  if positions != list(range(positions[0], positions[0] + len(positions))):
+    raise ConfigError(f"this process's devices are not consecutive in the run: {positions}")
+  return range(positions[0], positions[0] + len(positions))
+
+
 def check_supported(config: ml_collections.ConfigDict, gossip: bool) -> None:
   """Refuses, in one line, what a multi-process run cannot do yet, and distributed keys that a
   process not started through `initialize` would silently ignore. `gossip`: the algorithm

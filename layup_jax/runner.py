@@ -299,9 +299,9 @@ class Session:
 
   def _rejoin(self) -> int:
     """This process was started again into its running run: it waits to be admitted back at a
-    consistent point (the runtime's `rejoin`), and its devices' data resume their shards at the
-    run's step there, which this returns (as the start step)."""
-    self.start_step = self.rejoined_at = self.runtime.rejoin()
+    consistent point (`Elastic.rejoin`, layup_jax/elastic.py), and its devices' data resume
+    their shards at the run's step there, which this returns (as the start step)."""
+    self.start_step = self.rejoined_at = self.runtime.elastic.rejoin()
     for iterator in self.dataset.train:
       iterator.set_state({**iterator.get_state(), "next_index": self.start_step})
     print(f"process {jax.process_index()} rejoined the run at step {self.start_step}",
@@ -394,7 +394,8 @@ class Session:
     self._saved_step = step
     started = time.perf_counter()
     arrays, runtime_meta = self.runtime.checkpoint.state_dict()
-    lost = getattr(self.runtime, "processes_lost", False)
+    elastic = getattr(self.runtime, "elastic", None)  # (DDP: not elastic)
+    lost = elastic is not None and elastic.processes_lost
     members = runtime_meta["processes"] if lost else None
     data_states = distributed.data_states(self.dataset.train, self.devices, members)
     if self.checkpoints is None:  # this process rejoined: it took part, and writes nothing

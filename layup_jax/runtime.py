@@ -26,10 +26,11 @@ import jax
 import numpy as np
 import optax
 
-from layup_jax import distributed, flops, transfer, transport
+from layup_jax import distributed, flops, transfer
 from layup_jax.budget import Budget
 from layup_jax.data.pipeline import Batch
-from layup_jax.errors import ConfigError, NonFiniteError
+from layup_jax.elastic import Elastic
+from layup_jax.errors import NonFiniteError
 from layup_jax.exchange import Exchange, Links, PeerSampler
 from layup_jax.finite_checks import FiniteChecks
 from layup_jax.options import RuntimeOptions
@@ -41,6 +42,7 @@ from layup_jax.stages import StagedModel, staged_pass
 from layup_jax.straggler import IterationClock
 from layup_jax.threads import Threads
 from layup_jax.transport import Outbox, Transport
+from layup_jax.warmup import compile_runtime
 
 PyTree = Any
 _UPDATER_CLOSES = object()  # a handed-over stage whose iteration's checks the updater closes
@@ -62,48 +64,38 @@ class AsyncRuntime:
     # Across processes, this process runs its own devices only (global positions first ..
     # first + num_devices - 1 of the run's `total_devices`); every index below is a position
     # among them, except peers, which are global.
-    positions = distributed.local_positions(devices)
-    if positions != list(range(positions[0], positions[0] + len(positions))):
-      raise ConfigError(f"this process's devices are not consecutive in the run: {positions}")
+    positions = distributed.local_block(devices)
     self.first, self.total_devices = positions[0], len(devices)
-    run_devices = list(devices)
-    self.run_devices = tuple(run_devices)
+    self.run_devices = tuple(devices)
     devices = [devices[p] for p in positions]
     self.train_batches = [list(train_batches)[p] for p in positions]
     self.num_devices, self.num_stages = len(devices), model.num_stages
-    self._model, self.example_batch = model, example_batch
+    self.model, self.example_batch = model, example_batch
     self.store = ReplicaStore(model, tx, devices, init_params, init_state, options,
                               lock=threading.Lock, first=self.first,
                               total_devices=self.total_devices)
     self.peers = PeerSampler(self.total_devices, options.seed, options.gossip, self.first,
                              self.num_devices, options.remote_peer_probability)
-    self._threads = Threads(on_failure=lambda: self._budget.close())
-    stopped = self._threads.stopped
+    self.threads = Threads(on_failure=lambda: self._budget.close())
+    stopped = self.threads.stopped
     self.transport = Transport(self.store, self.first, self.total_devices,
                                options.transfer_host, stopped, options.max_remote_backlog,
                                options.compression)
     self.across_processes = self.transport.across_processes
-    # An elastic run (gossip across processes) trains on when a process is lost: set at the
-    # first consistent point that finds one (every survivor finds it at the same one).
-    self.processes_lost = False
-    # A process that rejoined its run writes no checkpoint rows: the coordination service's
-    # barriers, which Orbax's saves use, did not complete with a restarted process (docs/elastic.md).
-    self.saves_checkpoints = True
-    # Iterations each device counts as done without having run them (it rejoined at a step).
-    self._joined_at = [0] * self.num_devices
+    self.elastic = Elastic(self)  # an elastic run trains on when a process is lost
     if self.across_processes:
-      distributed.members.listen(self._on_lost, self._on_rejoined)
+      self.elastic.listen()
     self.outboxes = [Outbox(self.store, i, self.transport, self.peers.choose,
                             options.max_sends_in_flight) for i in range(self.num_devices)]
     self.exchange = make_exchange(Links(self.store, self.outboxes, self.peers, options,
-                                        stopped, run_devices, self.transport))
+                                        stopped, self.run_devices, self.transport))
     self.fuses_local_step = self.exchange.fuses_local_step and options.fuse_local_step
     self.store.defer_merges = self.fuses_local_step
     self.clocks = [IterationClock(options.delay_of(i), options.straggler_mode, device)
                    for i, device in enumerate(devices)]
     self.stats = RunStats(
         self.num_devices, self.num_stages, self.store.snapshot, lambda: self.store.weights.values,
-        lambda: [r.iteration - at for r, at in zip(self.store.replicas, self._joined_at)],
+        lambda: [r.iteration - at for r, at in zip(self.store.replicas, self.elastic.joined_at)],
         gather=distributed.all_gather_pickled if self.across_processes else None,
         remote_latencies=self.transport.latencies,
         host_cpu=lambda: sum(s.cpu_s for s in {self.dispatcher, self.updater}),
@@ -151,7 +143,7 @@ class AsyncRuntime:
       closed = store.close_checks(i) if fused and s == 0 else _UPDATER_CLOSES
       emit(s, out, step, closed)
 
-    return staged_pass(self._model, store.steps, store.device_stages(i, step, fused),
+    return staged_pass(self.model, store.steps, store.device_stages(i, step, fused),
                        x, labels, replica.stage_keys, iteration, emit_stage, on_stage=at_stage)
 
   def _apply_iteration(self, i: int) -> Task:
@@ -207,34 +199,8 @@ class AsyncRuntime:
   # --- compilation ----------------------------------------------------------------------------
 
   def compile(self) -> None:
-    """Runs every per-stage function once on every device, discarding the results.
-
-    Concurrent first compilations race, and none may happen inside the timed loop.
-    """
-    example = (self.example_batch.inputs, self.example_batch.targets)
-    for clock in self.clocks:
-      clock.compile()
-    outputs = []
-    mixes = self.options.gossip and self.total_devices > 1
-    for i, replica in enumerate(self.store.replicas):
-      inputs, targets = jax.device_put(example, replica.device)
-      iteration = jax.device_put(np.int32(0), replica.device)
-      grads: list[PyTree] = [None] * self.num_stages
-      # Only the functions an iteration runs (each compiles per device): with fused local
-      # steps the fused backward-and-update, and no separate update per stage.
-      ops = self.store.compile_stages(i, iteration, self.fuses_local_step, mixes, outputs)
-      staged_pass(self._model, self.store.steps, ops, inputs, targets, replica.stage_keys,
-                  iteration, grads.__setitem__)
-      outputs += self.store.compile_writes(i, iteration, None if self.fuses_local_step else grads)
-    if self.options.max_sends_in_flight:
-      outputs += transport.compile_landed(self.store)
-    outputs += self.transport.compile()
-    jax.block_until_ready(outputs)
-    # Every process here before the first collective: gloo forms its context on the first
-    # all-reduce and gives up after 30 s, less than a loaded host's compilation may differ by.
-    if not distributed.members.rejoining:  # (one that rejoins meets the others later, `rejoin`)
-      distributed.all_gather_json(None)
-    self.exchange.compile()
+    """Runs every per-stage program once on every device (layup_jax/warmup.py)."""
+    compile_runtime(self)
 
   # --- the tasks ------------------------------------------------------------------------------
 
@@ -314,37 +280,37 @@ class AsyncRuntime:
     """Runs every task that can go on, once, on the calling thread, before any thread of the
     runtime runs them: the deterministic seam for tests (`grant`, then `step` until a
     condition holds). Returns whether any task ran; raises what a task raised."""
-    if self._threads.started:
+    if self.threads.started:
       raise RuntimeError("step() drives the tasks only while the runtime's threads do not")
     self._spawn_tasks()
     ran = self.dispatcher.step()
     if self.updater is not self.dispatcher:
       ran = self.updater.step() or ran
-    self._raise_if_failed()
+    self.raise_if_failed()
     return ran
 
-  def _start_threads(self) -> None:
+  def start_threads(self) -> None:
     self._spawn_tasks()
-    stopped = self._threads.stopped
+    stopped = self.threads.stopped
 
     def run(scheduler: Scheduler) -> None:
       scheduler.run(stopped)
       if scheduler.failure is not None:  # stops the other threads too (named by the task)
         raise scheduler.failure.error
 
-    self._threads.start([(f"layup-{s.name}", lambda s=s: run(s))
+    self.threads.start([(f"layup-{s.name}", lambda s=s: run(s))
                          for s in dict.fromkeys((self.dispatcher, self.updater))]
                         + self.transport.loops())  # one receiver per other process
 
-  def _raise_if_failed(self) -> None:
+  def raise_if_failed(self) -> None:
     """Raises the first failure, naming its task, device and stage (or its thread)."""
     failed = [s.failure for s in (self.dispatcher, self.updater) if s.failure is not None]
     if failed:
       role, i = failed[0].name.split(":")
       what, stage, exc = (f"{role} task of device {i}", self._position.get((role, int(i))),
                           failed[0].error)
-    elif self._threads.failure is not None:
-      name, exc = self._threads.failure
+    elif self.threads.failure is not None:
+      name, exc = self.threads.failure
       what, stage = f"thread {name}", None
     else:
       return
@@ -357,20 +323,20 @@ class AsyncRuntime:
 
   def run_until(self, iterations: int, on_progress: Callable[[int], None],
                 should_stop: Callable[[], bool] = lambda: False) -> None:
-    if self._threads.stopped():
-      self._raise_if_failed()
+    if self.threads.stopped():
+      self.raise_if_failed()
       raise RuntimeError("the runtime was closed")
-    if not self._threads.started:
-      self._start_threads()
+    if not self.threads.started:
+      self.start_threads()
     self._budget.grant(iterations)
     target = iterations
     while not self._budget.wait_finished(target, timeout=0.1):
-      self._raise_if_failed()
+      self.raise_if_failed()
       on_progress(self._budget.finished)
       if target == iterations and should_stop():
         # No new iterations beyond the next whole step; those under way finish.
         target = self._budget.hold(self.num_devices)
-    self._raise_if_failed()
+    self.raise_if_failed()
     for i in range(self.num_devices):  # every task is idle: read the last flags
       self._checks.read(i)
     if self.across_processes:
@@ -378,104 +344,17 @@ class AsyncRuntime:
       # in flight anywhere, and the push-sum sums are exact again.
       self.transport.quiesce()
       distributed.all_gather_json(None)
-      self._raise_if_failed()
+      self.raise_if_failed()
     while not self._timer.idle():  # every landing handed over is recorded
-      self._raise_if_failed()
+      self.raise_if_failed()
       time.sleep(0.001)
     if self.exchange.state is not None:
       self.exchange.state.settle()
     self.transport.settle()
     self.store.settle()
     if self.across_processes and distributed.members.elastic:
-      self._renormalise()
-      if self.processes_lost:
-        self._admit(iterations // self.num_devices)
+      self.elastic.at_consistent_point(iterations // self.num_devices)
     on_progress(self._budget.finished)
-
-  def devices_of(self, processes) -> list[int]:
-    """Positions in the run of the devices that `processes` drive."""
-    return [g for g, device in enumerate(self.run_devices) if device.process_index in processes]
-
-  def _on_lost(self, process: int, step: int) -> None:
-    """Process `process` is lost (its watchdog thread says so): nothing goes to its devices or
-    waits for them from now on."""
-    if process == jax.process_index():  # this process, started again: it rejoins (`rejoin`)
-      return
-    self.transport.lose(process)
-    self.peers.lose(self.devices_of({process}))
-
-  def _on_rejoined(self, process: int) -> None:
-    """Process `process` was admitted back (`_admit`): its devices are peers again, and a
-    receiver loop takes its sends."""
-    self._threads.start(self.transport.rejoin(process))
-    self.peers.rejoin(self.devices_of({process}))
-
-  def _admit(self, step: int) -> None:
-    """At a consistent point of an elastic run that lost a process: admits a lost process that
-    was started again and asked to rejoin (docs/elastic.md). Process 0 decides and clears its
-    earlier run's notices; then every live process gives it its share: the live devices in
-    turn each give one of its devices every stage with half the stage's push-sum weight, as a
-    send does, and since that device's weight is 0 it takes the giver's replica; each waits
-    until its gifts are merged, so the point stays consistent and every sum exact."""
-    members, primary = distributed.members, jax.process_index() == 0
-    joining = members.joining() if primary else []
-    for process in joining:  # before anyone hears of it: no notice of the earlier run is read
-      self.transport.forget(process)
-      members.clear(process)
-    joining = distributed.all_gather_json(joining)[0]
-    if not joining:
-      return
-    process = joining[0]
-    if primary:
-      members.admit(process, step)
-    members.rejoined(process)
-    lost = set(members.lost)
-    givers = self.devices_of(set(range(jax.process_count())) - lost - {process})
-    for n, device in enumerate(self.devices_of({process})):
-      i = self.transport.local(givers[n % len(givers)])
-      if i is not None:
-        for s in range(self.num_stages):
-          part, amount = self.store.take(i, s, halve=True)
-          self.transport.give(device, s, jax.block_until_ready(part), amount)
-    self.transport.quiesce()
-
-  def rejoin(self) -> int:
-    """This process was started again after being declared lost (`distributed.members.
-    rejoining`): asks to rejoin, and once process 0 admits it at the run's next consistent
-    point, its devices, at push-sum weight 0, each take a live device's replica with half its
-    weight (`_admit`; their optimizer state starts afresh) and train on from the run's step,
-    which this returns."""
-    admission = distributed.members.await_admission()
-    step, lost = admission["step"], {k for k, _ in admission["lost"]}
-    self.transport.set_lost(lost)
-    self.peers.rejoin(range(self.total_devices))
-    self.peers.lose(self.devices_of(lost))
-    for i, replica in enumerate(self.store.replicas):
-      self.store.weights.values[i] = [0.0] * self.num_stages
-      replica.iteration = self._joined_at[i] = step
-    self.restored(step * self.num_devices)
-    self.processes_lost = True
-    self.saves_checkpoints = False
-    self._start_threads()  # the receiver loops merge the shares (nothing else is granted yet)
-    deadline = time.monotonic() + 120
-    while not all(self.store.holds_weight(i, s) for i in range(self.num_devices)
-                  for s in range(self.num_stages)):
-      self._raise_if_failed()
-      if time.monotonic() > deadline:
-        raise WorkerError("no live device gave this process its share within 120 s")
-      time.sleep(0.01)
-    self.store.settle()
-    return step
-
-  def _renormalise(self) -> None:
-    """At a consistent point of an elastic run: once a process is lost, the survivors divide
-    each stage's push-sum weights by the stage's total over them, so that they sum to 1 again
-    and the push-sum average is the survivors' (the lost process's weight, and the amounts in
-    flight to it, went with it)."""
-    parts = distributed.all_gather_json(self.store.weights.sums())
-    if len(parts) < jax.process_count():
-      self.processes_lost = True
-      self.store.weights.rescale([1.0 / sum(column) for column in zip(*parts)])
 
   def iterations_done(self) -> int:
     return self._budget.finished
@@ -487,17 +366,17 @@ class AsyncRuntime:
       self._checks.applied[i] = replica.iteration
 
   def flops_per_iteration(self, analyse: Callable = flops.lowered) -> float:
-    return flops.replica_flops(self._model, self.store, self.example_batch, analyse)
+    return flops.replica_flops(self.model, self.store, self.example_batch, analyse)
 
   def temp_bytes(self) -> int:
     """The largest scratch memory XLA allocates for one of this runtime's functions (a merge
     needs none beyond its output)."""
-    return flops.staged_temp_bytes(*flops.replica_calls(self._model, self.store,
+    return flops.staged_temp_bytes(*flops.replica_calls(self.model, self.store,
                                                         self.example_batch))
 
   def close(self) -> None:
-    self._threads.stop()
+    self.threads.stop()
     self._budget.close()
     self.dispatcher.wake()
     self.updater.wake()
-    self._threads.join()
+    self.threads.join()

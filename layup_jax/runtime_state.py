@@ -82,15 +82,15 @@ class RuntimeCheckpoint:
         "arrays": crossprocess.host_tree({k: v for k, v in exchange_arrays.items()
                                           if k not in same}),
         "meta": meta, "first": self.rt.first, "process": jax.process_index(),
-        "saves": self.rt.saves_checkpoints})
+        "saves": self.rt.elastic.saves_checkpoints})
     # The gather's members (after a loss, the live processes) write the rows of their devices;
     # a process that rejoined takes part in the gather but writes none (`saves_checkpoints`).
     parts = [part for part in parts if part["saves"]]
     members = {part["process"] for part in parts}
-    live = self.rt.devices_of(members)
+    live = self.rt.elastic.devices_of(members)
     devices = tuple(self.rt.run_devices[g] for g in live)
     whole = {key: DeviceRows(list(arrays[key]), live.index(self.rt.first), len(live), devices)
-             for key in _OWN_ARRAYS if self.rt.saves_checkpoints}
+             for key in _OWN_ARRAYS if self.rt.elastic.saves_checkpoints}
     exchange_arrays, exchange_meta = self.extra.whole_run_state(
         [({**own_copy, **part["arrays"]}, part["meta"]["exchange"], part["first"])
          for part in parts])
