@@ -107,9 +107,10 @@ def local_block(devices) -> range:
   """Positions in `devices` of the devices this process drives, which must be consecutive (the
   asynchronous runtime's indices are offsets from the first)."""
   positions = local_positions(devices)
-  if positions != list(range(positions[0], positions[0] + len(positions))):
+  block = range(positions[0], positions[0] + len(positions))
+  if positions != list(block):
     raise ConfigError(f"this process's devices are not consecutive in the run: {positions}")
-  return range(positions[0], positions[0] + len(positions))
+  return block
 
 
 def check_supported(config: ml_collections.ConfigDict, gossip: bool) -> None:
