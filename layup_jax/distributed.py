@@ -86,8 +86,10 @@ def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> 
       coordinator_address=chosen.coordinator_address,
       num_processes=chosen.num_processes,
       process_id=chosen.process_id,
-      # JAX's own detection, later than `Watchdog`'s, so that ours names the process first.
-      heartbeat_timeout_seconds=3 * chosen.heartbeat_timeout_s,
+      # JAX's own detection, later than `Watchdog`'s, so that ours names the process first, and
+      # never under a minute: a process JAX's service finds silent is aborted (SIGABRT, no
+      # message of ours), and on a loaded host its heartbeat thread can miss a few seconds.
+      heartbeat_timeout_seconds=max(3 * chosen.heartbeat_timeout_s, 60),
   )
   return True
 

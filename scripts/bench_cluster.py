@@ -50,8 +50,12 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
              *[f"--config.{o}" for o in [*args.set, *overrides]]]
   result = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
                           capture_output=True, text=True, check=False)
-  if result.returncode:
-    sys.exit(f"{layout} {rate} {algorithm} failed:\n{result.stdout[-3000:]}{result.stderr[-2000:]}")
+  if result.returncode:  # recorded and reported; the other runs go on
+    print(f"{layout} {rate} {algorithm} failed (status {result.returncode}):\n"
+          f"{result.stdout[-3000:]}{result.stderr[-2000:]}", file=sys.stderr, flush=True)
+    tail = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
+    return {"layout": layout, "rate": rate, "algorithm": algorithm, "seed": seed,
+            "failed": f"status {result.returncode}: {tail}"}
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   with open(stats) as f:
@@ -103,6 +107,7 @@ def main() -> None:
             row.update(case=label, repeat=repeat, overrides=overrides)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            write(args, rows, table=None)  # so far, in case the run is stopped
 
   def median(values):
     values = [v for v in values if v is not None]
@@ -113,7 +118,9 @@ def main() -> None:
     for rate in args.rates:
       for label, _, _ in cases:
         mine = [r for r in rows if (r["layout"], r["rate"], r["case"]) == (layout, rate, label)]
-        table.append({"layout": layout, "rate": rate, "case": label,
+        failed = [r["failed"] for r in mine if "failed" in r]
+        mine = [r for r in mine if "failed" not in r]
+        table.append({"layout": layout, "rate": rate, "case": label, "failed": failed,
                       **{k: median([r[k] for r in mine]) for k in (
                           "training_s", "samples_per_s", "final_accuracy", "time_to_target_s",
                           "counted_bytes_per_iteration", "link_bytes_per_iteration",
@@ -123,12 +130,22 @@ def main() -> None:
   print("|---|---|---|---|---|---|---|---|---|---|")
   fmt = lambda v, spec: "-" if v is None else format(v, spec)
   for t in table:
+    if t["failed"] and t["training_s"] is None:
+      print(f"| {t['case']} | {t['layout']} | {t['rate']} | failed: {t['failed'][0]} |")
+      continue
     print(f"| {t['case']} | {t['layout']} | {t['rate']} | {fmt(t['training_s'], '.1f')} | "
           f"{fmt(t['samples_per_s'], ',.0f')} | {fmt(t['final_accuracy'], '.4f')} | "
           f"{fmt(t['time_to_target_s'], '.1f')} | "
           f"{fmt(t['counted_bytes_per_iteration'] and t['counted_bytes_per_iteration'] / 1e3, '.1f')} | "
-          f"{fmt(t['link_bytes_per_iteration'] / 1e3, '.1f')} | "
+          f"{fmt(t['link_bytes_per_iteration'] and t['link_bytes_per_iteration'] / 1e3, '.1f')} | "
           f"{fmt(t['send_latency_ms'], '.0f')} / {fmt(t['send_latency_p90_ms'], '.0f')} |")
+  write(args, rows, table)
+  failures = [r for r in rows if "failed" in r]
+  if failures:
+    sys.exit(f"{len(failures)} of {len(rows)} runs failed (rows with 'failed' in {args.out})")
+
+
+def write(args, rows: list[dict], table: list[dict] | None) -> None:
   with open(args.out, "w") as f:
     json.dump({**provenance.stamp(), "args": vars(args), "table": table,
                "runs": rows}, f, indent=1)

@@ -37,10 +37,17 @@ def _losses(workdir) -> list[tuple[int, str, float]]:
   return [(r["step"], r["split"], r["loss"]) for r in read_metrics(workdir)]
 
 
+def _tail(output: str, chars: int = 3000) -> str:
+  """The end of a run's output for an assertion's message, without the list of extension modules
+  Python prints when a process aborts (it would fill the message and hide the cause)."""
+  kept = [line for line in output.splitlines() if not line.startswith("Extension modules:")]
+  return "\n".join(kept)[-chars:]
+
+
 def _wait_for(path: pathlib.Path, process: subprocess.Popen, timeout: float) -> None:
   deadline = time.monotonic() + timeout
   while not path.exists():
-    assert process.poll() is None, process.communicate()[0][-3000:]
+    assert process.poll() is None, _tail(process.communicate()[0])
     assert time.monotonic() < deadline, f"no {path} after {timeout} s"
     time.sleep(0.1)
 
@@ -112,7 +119,7 @@ def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_proc
 
   rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=420,
                          check=False)
-  assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+  assert rerun.returncode == 0, _tail(rerun.stdout) + _tail(rerun.stderr)
   summary = json.loads((two / "summary.json").read_text())
   assert 10 <= summary["resumed_from_step"] < 20
 
@@ -134,7 +141,7 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoi
   work = tmp_path / "run"
   launcher, output, _ = _interrupt_after_first_checkpoint(
       _launcher(work, settings), work, lambda p: p.send_signal(signal.SIGTERM), timeout=120)
-  assert launcher.returncode == 0, output[-3000:]
+  assert launcher.returncode == 0, _tail(output)
   stopped = [line for line in output.splitlines() if "stopped by SIGTERM at step" in line]
   assert len(stopped) == 1 and not stopped[0].startswith("[p1]")  # process 0 says it
   step = int(stopped[0].split("at step ")[1].split()[0])
@@ -164,7 +171,7 @@ def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_pa
   finally:
     for process in processes:
       process.kill()
-  assert processes[0].returncode == 4, output[-3000:]
+  assert processes[0].returncode == 4, _tail(output)
   assert ("error: process 1 of the run stopped answering for 5 s (it died, or lost the "
           "coordinator); process 0 stops.") in output
 
@@ -182,7 +189,7 @@ def test_layup_across_two_processes_trains_the_digits_and_resumes_after_a_kill(t
   command = _launcher(work, settings)
   launcher, output, seconds = _interrupt_after_first_checkpoint(
       command, work, _kill_process_1(work), checkpoint=80)
-  assert seconds < 30 and launcher.returncode == 128 + signal.SIGKILL, output[-3000:]
+  assert seconds < 30 and launcher.returncode == 128 + signal.SIGKILL, _tail(output)
   assert "launch: process 1 was killed by SIGKILL; stopping the others" in output
   arrays = work / "checkpoints" / "80" / "arrays"
   assert {p.name for p in arrays.glob("ocdbt.process_*")} == {"ocdbt.process_0",
@@ -196,7 +203,7 @@ def test_layup_across_two_processes_trains_the_digits_and_resumes_after_a_kill(t
   assert one["final_eval_loss"] == pytest.approx(at_80["loss"], rel=1e-6)
   done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                         check=False)
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert done.returncode == 0, _tail(done.stdout) + _tail(done.stderr)
   summary = json.loads((work / "summary.json").read_text())
   assert summary["resumed_from_step"] == 80
   assert summary["num_devices"] == 8 and summary["final_eval_accuracy"] >= 0.95
@@ -218,7 +225,7 @@ def test_local_sgd_across_two_processes_averages_as_one_process(tmp_path):
   two = tmp_path / "two"
   done = subprocess.run(_launcher(two, settings), cwd=ROOT, capture_output=True, text=True,
                         timeout=600, check=False)
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert done.returncode == 0, _tail(done.stdout) + _tail(done.stderr)
   config = base.get_config()
   base.set_values(config, {**settings, "model.widths": (4, 8, 8)})
   runner.run(config, tmp_path / "one")
@@ -250,7 +257,7 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
   for workdir, extra in [(whole, {}), (resumed["two"], {"restore": checkpoint})]:
     done = subprocess.run(_launcher(workdir, {**settings, **extra}), cwd=ROOT,
                           capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, _tail(done.stdout) + _tail(done.stderr)
   config = base.get_config()
   base.set_values(config, {**settings, "model.widths": (4, 8, 8), "restore": str(checkpoint)})
   runner.run(config, resumed["one"])
@@ -287,7 +294,7 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   finally:
     for process in processes:
       process.kill()
-  assert [process.returncode for process in processes] == [0, 0], outputs[0][-3000:]
+  assert [process.returncode for process in processes] == [0, 0], _tail(outputs[0])
   result = json.loads([line for line in outputs[0].splitlines() if line.startswith("{")][-1])
   assert result["relative_change"] < 1e-5
   assert result["weight_sums"] == pytest.approx([1.0] * 3, abs=1e-12)
@@ -364,9 +371,9 @@ def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):
               "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "elastic"
   status, output = _kill_process_2_of_3x2(work, settings, "--keep-going", at_step=60)
-  assert status == 0, output[-3000:]
+  assert status == 0, _tail(output)
   assert "launch: process 2 was killed by SIGKILL; the others go on (--keep-going)" in output
-  assert output.count("process 2 lost at step") == 1, output[-3000:]
+  assert output.count("process 2 lost at step") == 1, _tail(output)
   lost_at = int(re.search(r"process 2 lost at step (\d+); 4 devices train on", output)[1])
   assert 60 <= lost_at < 150  # after the kill, not before
   summary = json.loads((work / "summary.json").read_text())
@@ -383,7 +390,7 @@ def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):
   assert at_end["step"] == 150
   again = subprocess.run(_launch_3x2(work, settings), cwd=ROOT, capture_output=True, text=True,
                          timeout=600, check=False)
-  assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+  assert again.returncode == 0, _tail(again.stdout) + _tail(again.stderr)
   resumed = json.loads((work / "summary.json").read_text())
   assert resumed["resumed_from_step"] == 150
   assert resumed["final_eval_loss"] == pytest.approx(at_end["loss"], rel=1e-5)
@@ -415,12 +422,12 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
   work = tmp_path / "rejoin"
   status, output = _kill_process_2_of_3x2(work, settings, "--restart 1",
                                           at_step=int(0.2 * steps))
-  assert status == 0, output[-3000:]
+  assert status == 0, _tail(output)
   assert "launch: process 2 was killed by SIGKILL; starting it again (--restart, 1 of 1)" \
       in output
   lost = re.findall(r"process 2 lost at step (\d+); 4 devices train on", output)
   rejoined = re.findall(r"\[p2\] process 2 rejoined the run at step (\d+)", output)
-  assert len(lost) == 1 and len(rejoined) == 1, output[-3000:]
+  assert len(lost) == 1 and len(rejoined) == 1, _tail(output)
   lost_at, rejoined_at = int(lost[0]), int(rejoined[0])
   # At a consistent point: the end of a segment, an evaluation's or a checkpoint's step.
   assert 0.2 * steps <= lost_at < rejoined_at < steps
@@ -444,6 +451,6 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
 def _wait_for_test_record(work, step: int, process: subprocess.Popen) -> None:
   deadline = time.monotonic() + 600
   while not any(r["step"] >= step and r["split"] == "test" for r in _records(work)):
-    assert process.poll() is None, process.communicate()[0][-3000:]
+    assert process.poll() is None, _tail(process.communicate()[0])
     assert time.monotonic() < deadline, f"no evaluation at step {step}"
     time.sleep(0.2)
