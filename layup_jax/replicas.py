@@ -272,8 +272,15 @@ class ReplicaStore:
           self._merge_waiting_one(j, s)
         self._inbox[j][s] = (received, sent)
         landed = jax.tree.leaves(received)[0]
-    self._merges_into[j].append(landed)
+    self._note_merge(j, landed)
     return landed
+
+  def _note_merge(self, j: int, landed: jax.Array) -> None:
+    """Counts a merge into device j as dispatched (`pending_merges`), dropping those seen
+    computed first: held, their outputs would stay alive, and a run that never asks (the serial
+    mode) would keep every merge it ever made."""
+    self.pending_merges(j)
+    self._merges_into[j].append(landed)
 
   def _merge_now(self, j: int, s: int, received: PyTree, sent: float,
                  add_weight: bool = True) -> jax.Array:
@@ -297,16 +304,11 @@ class ReplicaStore:
 
   def _merge_waiting_one(self, j: int, s: int) -> None:
     """Merges the received stage waiting for (j, s) by a program of its own (the caller holds
-    `_writing(j, s)`); the merge, computed after the copy, now marks its send as pending."""
+    `_writing(j, s)`); the merge, computed after the copy, is counted as pending too (the copy
+    stays counted until it is computed, a little before the merge)."""
     received, sent = self._inbox[j][s]
     self._inbox[j][s] = None
-    merged = self._merge_now(j, s, received, sent)
-    pending, copy = self._merges_into[j], jax.tree.leaves(received)[0]
-    for n, leaf in enumerate(pending):
-      if leaf is copy:
-        pending[n] = merged
-        return
-    pending.append(merged)
+    self._note_merge(j, self._merge_now(j, s, received, sent))
 
   def _take_inbox(self, i: int, s: int) -> tuple | None:
     """The received stage waiting for (i, s), removed, with the receiver's share

@@ -105,6 +105,24 @@ def test_with_learning_rate_zero_serial_gossip_reaches_consensus_and_keeps_the_a
   assert _relative_distance(center, start) < 1e-6
 
 
+def test_serial_iterations_keep_no_array_of_earlier_iterations_alive():
+  # Every merge is counted until it is seen computed (the congestion check); seen computed, it
+  # is dropped. The serial mode never asks for the count, so the store must drop them itself,
+  # or every merge a run ever made stays alive on its device.
+  runtime = make_layup_runtime(4)
+
+  def live_after(rounds: int) -> int:
+    for _ in range(rounds):
+      for device in range(4):
+        runtime.iterate_serial(device)
+    jax.block_until_ready(runtime.store.stage_params(0))
+    gc.collect()
+    return len(jax.live_arrays())
+
+  first = live_after(5)
+  assert live_after(25) <= first + 4 * runtime.num_stages  # 100 iterations later, not 100 more
+
+
 @pytest.mark.parametrize("algorithm", ["layup", "gosgd"])
 def test_threaded_gossip_keeps_the_push_sum_average_of_every_stage(algorithm):
   # Learning rate 0, distinct replicas, 8 devices x 300 iterations with their threads: only
