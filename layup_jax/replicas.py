@@ -304,11 +304,19 @@ class ReplicaStore:
 
   def _merge_waiting_one(self, j: int, s: int) -> None:
     """Merges the received stage waiting for (j, s) by a program of its own (the caller holds
-    `_writing(j, s)`); the merge, computed after the copy, is counted as pending too (the copy
-    stays counted until it is computed, a little before the merge)."""
+    `_writing(j, s)`); the merge, computed after the copy, now marks its send as pending."""
     received, sent = self._inbox[j][s]
     self._inbox[j][s] = None
-    self._note_merge(j, self._merge_now(j, s, received, sent))
+    merged = self._merge_now(j, s, received, sent)
+    pending, copy = self._merges_into[j], jax.tree.leaves(received)[0]
+    for back in range(1, len(pending) + 1):  # from the newest: the copy is among them
+      try:
+        if pending[-back] is copy:
+          pending[-back] = merged
+          return
+      except IndexError:  # another updater dropped computed ones meanwhile
+        break
+    self._note_merge(j, merged)
 
   def _take_inbox(self, i: int, s: int) -> tuple | None:
     """The received stage waiting for (i, s), removed, with the receiver's share

@@ -176,13 +176,15 @@ def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_pa
           "coordinator); process 0 stops.") in output
 
 
-def test_layup_across_two_processes_trains_the_digits_and_resumes_after_a_kill(tmp_path):
+def test_layup_across_two_processes_stops_on_a_kill_and_one_process_reads_its_checkpoint(
+    tmp_path):
   """LayUp on 2 processes x 4 devices, its sends to the other process's devices through the
   transfer server: process 1 is killed after the checkpoint at step 80, of which each process
   wrote its own devices' replicas; the launcher stops the run in one line. One process with 8
   devices reads every process's part of it: its evaluation of step 80 is the two processes'.
-  The same command resumes there, and the push-sum average reaches 0.95 on the digits, the
-  weights summing to 1."""
+  (Training on across processes after a loss, to >= 0.95 with the weights summing to 1, and a
+  rerun resuming from a checkpoint across processes: the 3 x 2 kill test below; a rerun of a
+  stopped run taking exactly its steps: the DDP test above.)"""
   work = tmp_path / "run"
   settings = {"algorithm": "layup", "num_steps": 160, "eval_every": 80, "checkpoint.every": 80,
               "progress_bar": False}
@@ -195,23 +197,14 @@ def test_layup_across_two_processes_trains_the_digits_and_resumes_after_a_kill(t
   assert {p.name for p in arrays.glob("ocdbt.process_*")} == {"ocdbt.process_0",
                                                              "ocdbt.process_1"}
   at_80 = next(r for r in read_metrics(work) if (r["step"], r["split"]) == (80, "test"))
+  assert at_80["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
+  assert at_80["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
   config = digits.get_config()
   base.set_values(config, {**settings, "num_steps": 80,
                            "restore": str(work / "checkpoints" / "80")})
   one = runner.run(config, tmp_path / "one")
   assert one["resumed_from_step"] == 80
   assert one["final_eval_loss"] == pytest.approx(at_80["loss"], rel=1e-6)
-  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                        check=False)
-  assert done.returncode == 0, _tail(done.stdout) + _tail(done.stderr)
-  summary = json.loads((work / "summary.json").read_text())
-  assert summary["resumed_from_step"] == 80
-  assert summary["num_devices"] == 8 and summary["final_eval_accuracy"] >= 0.95
-  assert summary["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
-  assert summary["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
-  assert len(summary["device_samples_per_s"]) == 8 and min(summary["device_samples_per_s"]) > 0
-  assert [(r["step"], r["split"]) for r in read_metrics(work)] == [
-      (0, "test"), (80, "train"), (80, "test"), (160, "train"), (160, "test")]
 
 
 def test_local_sgd_across_two_processes_averages_as_one_process(tmp_path):
