@@ -1,4 +1,4 @@
-"""Every config in configs/ starts and trains 2 steps under layup and ddp on 4 devices, on mocked
+"""Every config in configs/ starts and trains 2 steps under layup and ddp on 2 devices, on mocked
 TFDS records, with its model shrunk. A new config file is picked up without touching this test."""
 
 import importlib
@@ -21,8 +21,9 @@ TFDS_NAMES = [spec.tfds_name for spec in data.DATASETS.values() if spec.tfds_nam
 
 
 def shrink(config, tmp_path):
-  """Tiny model, 2 steps, 4 devices, small batches; the data pipeline stays the config's."""
-  config.num_devices, config.num_steps, config.eval_every = 4, 2, 0
+  """Tiny model, 2 steps, 2 devices (each compiles every stage: fewer, faster), small batches;
+  the data pipeline stays the config's."""
+  config.num_devices, config.num_steps, config.eval_every = 2, 2, 0
   config.progress_bar = False
   config.data.data_dir, config.data.token_cache_dir = str(tmp_path / "tfds"), ""
   config.data.batch_size, config.data.eval_batch_size, config.data.max_eval_batches = 2, 4, 1
