@@ -22,6 +22,15 @@ the launcher stops every process when one dies). Reported per killed run:
     python scripts/bench_elastic.py --config configs/digits.py --num-steps 6000 --kill-at 0.4 \\
         --restart-at 0.6 --no-uninterrupted --set num_steps=6000 --set eval_every=60 \\
         --batch-size 16 --out rejoin_drill.json
+
+`--kill-during-save EVERY` writes a checkpoint every EVERY steps and kills the victim while one
+is being written (once `--kill-at` is reached, as soon as Orbax's temporary directory of a
+save appears): a drill of what the design does not promise to survive. Its row records every
+process's exit status and the last lines of process 0's output, whatever the run did:
+
+    python scripts/bench_elastic.py --config configs/digits.py --num-steps 600 --kill-at 0.3 \\
+        --kill-during-save 20 --no-uninterrupted --set num_steps=600 --batch-size 16 \\
+        --timeout 900 --out kill_mid_checkpoint.json
 """
 
 import argparse
@@ -55,7 +64,10 @@ def start(args, workdir: pathlib.Path, seed: int) -> tuple[list[subprocess.Popen
   """The run's processes, their commands and environment."""
   train = ["--config", args.config, "--workdir", str(workdir), f"--config.algorithm={args.algorithm}",
            f"--config.seed={seed}", f"--config.num_devices={args.processes * args.devices_per_process}",
-           "--config.progress_bar=False", "--config.checkpoint.enabled=False",
+           "--config.progress_bar=False",
+           *(["--config.checkpoint.enabled=False"] if not args.kill_during_save else
+             ["--config.checkpoint.enabled=True",
+              f"--config.checkpoint.every={args.kill_during_save}"]),
            f"--config.metrics.progress_every_s={args.progress_every_s}",
            f"--config.distributed.heartbeat_timeout_s={args.heartbeat_timeout_s}",
            *[f"--config.{o}" for o in args.set]]
@@ -90,7 +102,8 @@ def one_run(args, seed: int, kill: bool) -> dict:
       while killed_at is None:
         rows = progress(workdir, 0)
         assert not (workdir / "summary.json").exists(), "the run ended before the kill"
-        if rows and rows[-1]["step"] >= args.kill_at * args.num_steps:
+        if (rows and rows[-1]["step"] >= args.kill_at * args.num_steps
+            and (not args.kill_during_save or saving(workdir))):
           processes[args.victim].send_signal(signal.SIGKILL)
           killed_at = time.time()
         assert all(p.poll() is None for p in processes), "a process ended before the kill"
@@ -108,14 +121,34 @@ def one_run(args, seed: int, kill: bool) -> dict:
     for k, p in enumerate(processes):
       if kill and k == args.victim:
         continue
-      p.wait(timeout=args.timeout)
+      try:
+        p.wait(timeout=args.timeout)
+      except subprocess.TimeoutExpired:
+        if not args.kill_during_save:
+          raise
   finally:
+    ended, still_running = time.time(), [p.poll() is None for p in processes]
     for p in processes:
       p.kill()
+      p.wait()
     for reader in readers:
       reader.join(timeout=5)
   statuses = [p.returncode for p in processes]
   survivors = [k for k in range(args.processes) if not (kill and k == args.victim)]
+  if args.kill_during_save:  # whatever happened is the drill's result
+    lost = [line for _, line in outputs[0] if "lost at step" in line]
+    last = {k: (progress(workdir, k) or [{}])[-1] for k in survivors}
+    return {"seed": seed, "killed_during_save": True, "statuses": statuses,
+            # a survivor still running `--timeout` s after the kill (then killed here)
+            "hung": [k for k in survivors if still_running[k]],
+            "survivors_last_step": {k: last[k].get("step") for k in survivors},
+            # from a survivor's last iteration to the end of the drill
+            "survivors_still_for_s": {k: round(ended - last[k]["t"])
+                                      for k in survivors if "t" in last[k]},
+            "finished": (workdir / "summary.json").exists(),
+            "checkpoints": sorted(p.name for p in (workdir / "checkpoints").iterdir()),
+            "lost_line": lost[0] if lost else None,
+            "last_lines": {k: [line for _, line in outputs[k][-12:]] for k in survivors}}
   if any(statuses[k] != 0 for k in [*survivors, *range(args.processes, len(processes))]):
     sys.exit(f"seed {seed} ({'killed' if kill else 'whole'}) failed: {statuses}\n"
              + "\n".join(line for _, line in outputs[0][-40:]))
@@ -137,6 +170,12 @@ def one_run(args, seed: int, kill: bool) -> dict:
                     args.victim * args.devices_per_process:
                     (args.victim + 1) * args.devices_per_process]})
   return row
+
+
+def saving(workdir: pathlib.Path) -> bool:
+  """Whether a checkpoint is being written: Orbax's temporary directory of a save exists."""
+  folder = workdir / "checkpoints"
+  return folder.exists() and any("tmp" in p.name for p in folder.iterdir())
 
 
 def rate(rows: list[dict], start: float, end: float, devices: int, batch: int) -> float | None:
@@ -190,6 +229,8 @@ def main() -> None:
   parser.add_argument("--progress-every-s", type=float, default=0.2)
   parser.add_argument("--heartbeat-timeout-s", type=int, default=10)
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  parser.add_argument("--kill-during-save", type=int, default=0, metavar="EVERY",
+                      help="checkpoint every EVERY steps and kill the victim during a save")
   parser.add_argument("--timeout", type=float, default=3600)
   parser.add_argument("--out", default="bench_elastic.json")
   args = parser.parse_args()
@@ -201,6 +242,11 @@ def main() -> None:
       row = one_run(args, seed, kill)
       rows.append(row)
       print(json.dumps(row), flush=True)
+  if args.kill_during_save:
+    print(json.dumps(rows, indent=1))
+    with open(args.out, "w") as f:
+      json.dump({**provenance.stamp(), "args": vars(args), "runs": rows}, f, indent=1)
+    return
   whole = {r["seed"]: r["final_accuracy"] for r in rows if not r["killed"]}
   killed = [r for r in rows if r["killed"]]
   print("\n| seed | final accuracy, uninterrupted | killed | difference (pt) | samples/s per "
