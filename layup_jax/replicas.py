@@ -279,7 +279,7 @@ class ReplicaStore:
     """Counts a merge into device j as dispatched (`pending_merges`), dropping those seen
     computed first: held, their outputs would stay alive, and a run that never asks (the serial
     mode) would keep every merge it ever made."""
-    self.pending_merges(j)
+    self._drop_computed(j)
     self._merges_into[j].append(landed)
 
   def _merge_now(self, j: int, s: int, received: PyTree, sent: float,
@@ -337,13 +337,17 @@ class ReplicaStore:
     """How many merges into device j are dispatched and not yet computed, as far as seen: the
     oldest are dropped once computed. Updaters of several devices share the count; two
     dropping at once may drop one too many, which only undercounts."""
+    self._drop_computed(j)
+    return len(self._merges_into[j])
+
+  def _drop_computed(self, j: int) -> None:
+    """Drops the oldest merges into device j that are computed."""
     pending = self._merges_into[j]
     while pending and pending[0].is_ready():
       try:
         pending.popleft()
       except IndexError:
         break
-    return len(pending)
 
   def settle(self) -> None:
     """Merges what waits in the inboxes, waits until every merge dispatched so far is

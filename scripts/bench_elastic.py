@@ -26,7 +26,8 @@ the launcher stops every process when one dies). Reported per killed run:
 `--kill-during-save EVERY` writes a checkpoint every EVERY steps and kills the victim while one
 is being written (once `--kill-at` is reached, as soon as Orbax's temporary directory of a
 save appears): a drill of what the design does not promise to survive. Its row records every
-process's exit status and the last lines of process 0's output, whatever the run did:
+process's exit status, the survivors still running at the end, their last step and the last
+lines of their output, whatever the run did:
 
     python scripts/bench_elastic.py --config configs/digits.py --num-steps 600 --kill-at 0.3 \\
         --kill-during-save 20 --no-uninterrupted --set num_steps=600 --batch-size 16 \\

@@ -183,8 +183,10 @@ def test_layup_across_two_processes_stops_on_a_kill_and_one_process_reads_its_ch
   wrote its own devices' replicas; the launcher stops the run in one line. One process with 8
   devices reads every process's part of it: its evaluation of step 80 is the two processes'.
   (Training on across processes after a loss, to >= 0.95 with the weights summing to 1, and a
-  rerun resuming from a checkpoint across processes: the 3 x 2 kill test below; a rerun of a
-  stopped run taking exactly its steps: the DDP test above.)"""
+  rerun resuming LayUp's final checkpoint across processes: the 3 x 2 kill test below; a rerun
+  of a stopped run taking exactly its remaining steps: the DDP test above. A LayUp run across
+  processes resumed mid-run and trained on is not run by a test since this one stopped doing
+  it, to keep CI within its time.)"""
   work = tmp_path / "run"
   settings = {"algorithm": "layup", "num_steps": 160, "eval_every": 80, "checkpoint.every": 80,
               "progress_bar": False}
