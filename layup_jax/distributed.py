@@ -152,7 +152,12 @@ def put(tree, sharding: jax.sharding.Sharding):
   return jax.tree.map(place, tree)
 
 
-_GATHER_TIMEOUT_MS = 120_000
+# How long a gather waits for another process's value when no watchdog guards the run. Under a
+# watchdog a gather waits as long as the writer lives (the watchdog ends or fences off a silent
+# one): a loaded host's compilation before the first gather can take minutes longer on one
+# process than on another (found: a two-process test failed at a fixed 2-minute wait).
+GATHER_TIMEOUT_S = 120.0
+_GATHER_POLL_MS = 2000
 _next_gather = 0  # every process gathers in the same order: the n-th call meets the others' n-th
 _pickled_keys: list[str] = []  # this process's keys of its recent `all_gather_pickled` calls
 
@@ -183,6 +188,7 @@ class Membership:
   def __init__(self):
     self._lock = threading.Lock()
     self.elastic = False  # set by the watchdog of a gossip run across processes
+    self.watched = False  # a watchdog guards the run's processes (set while it runs)
     self.lost: dict[int, int] = {}  # process -> the step at which it was declared lost
     self._listeners: list = []
     self._rejoin_listeners: list = []
@@ -317,27 +323,49 @@ def run_finished() -> bool:
   return try_get(compat.coordination_client(), "layup_jax/done/0") is not None
 
 
+def await_value(client, key: str, writer: int) -> bytes:
+  """The store's value of `key`, which process `writer` writes, waiting as long as the writer
+  may still write it: while a watchdog guards the run (`members.watched`), until the writer says
+  it is done (it ended, or failed on its own, without writing it) or is declared lost; without
+  one, at most `GATHER_TIMEOUT_S`."""
+  deadline = None if members.watched else time.monotonic() + GATHER_TIMEOUT_S
+  while True:
+    try:
+      return client.blocking_key_value_get_bytes(key, _GATHER_POLL_MS)
+    except Exception as error:  # DEADLINE_EXCEEDED: not yet written
+      if "DEADLINE_EXCEEDED" not in str(error):
+        raise
+    if members.is_lost(writer):
+      raise ProcessLostError(writer)
+    if try_get(client, f"layup_jax/done/{writer}") is not None:
+      raise RuntimeError(f"process {writer} ended without writing {key} (see its own output)")
+    if deadline is not None and time.monotonic() > deadline:
+      raise TimeoutError(f"process {writer} did not write {key} within {GATHER_TIMEOUT_S:g} s")
+
+
+class ProcessLostError(RuntimeError):
+  """A gather waited on a process that was declared lost meanwhile."""
+
+  def __init__(self, process: int):
+    super().__init__(f"process {process} was declared lost")
+    self.process = process
+
+
 def _read_gather(client, prefix: str) -> list[bytes]:
   """The values gather `prefix` holds, in process order: every process's, or in an elastic run
   those of the processes process 0 names (every live process that wrote its value; one lost
   before writing it is left out), so that every survivor reads the same set."""
-  def read(k: int, timeout_ms: int = _GATHER_TIMEOUT_MS) -> bytes:
-    return client.blocking_key_value_get_bytes(f"{prefix}/{k}", timeout_ms)
-
   if not members.elastic:
-    return [read(k) for k in range(jax.process_count())]
+    return [await_value(client, f"{prefix}/{k}", k) for k in range(jax.process_count())]
   if jax.process_index() != 0:
-    names = json.loads(client.blocking_key_value_get(f"{prefix}/members", _GATHER_TIMEOUT_MS))
-    return [read(k) for k in names]
+    names = json.loads(await_value(client, f"{prefix}/members", 0).decode())
+    return [await_value(client, f"{prefix}/{k}", k) for k in names]
   values: dict[int, bytes] = {}
   for k in range(jax.process_count()):
-    while not members.is_lost(k):
-      try:
-        values[k] = read(k, 1000)
-        break
-      except Exception as error:  # DEADLINE_EXCEEDED: not yet written
-        if "DEADLINE_EXCEEDED" not in str(error):
-          raise
+    if members.is_lost(k):
+      continue
+    with contextlib.suppress(ProcessLostError):  # lost before writing it: left out
+      values[k] = await_value(client, f"{prefix}/{k}", k)
   client.key_value_set(f"{prefix}/members", json.dumps(sorted(values)))
   return [values[k] for k in sorted(values)]
 
@@ -411,6 +439,7 @@ class Watchdog:
     self._me, self._count = jax.process_index(), jax.process_count()
     self._timeout_s, self._period_s = timeout_s, period_s
     self._elastic = members.elastic = elastic
+    members.watched = True
     if elastic:  # a never-seen process is given 3x the timeout, then process 0 declares it
       members.grace_s = 3 * timeout_s + 2 * period_s
     if elastic and self._me == 0:
@@ -518,6 +547,7 @@ class Watchdog:
     for every live or rejoining process's word (at most `_FAREWELL_S`) and a moment more."""
     self._stop.set()
     self._thread.join(timeout=5)
+    members.watched = False
     with contextlib.suppress(Exception):  # the service may be gone already: nothing to tell
       self._client.key_value_set(self._key("done", self._me), "1", allow_overwrite=True)
     if not self._elastic:

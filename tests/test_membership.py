@@ -28,10 +28,33 @@ class FakeStore:
       raise RuntimeError("DEADLINE_EXCEEDED: not written")
     return self.values[key]
 
+  def key_value_set_bytes(self, key, value):
+    self.key_value_set(key, value)
+
+  def blocking_key_value_get_bytes(self, key, timeout_ms):
+    value = self.blocking_key_value_get(key, timeout_ms)
+    return value if isinstance(value, bytes) else value.encode()
+
   def key_value_try_get(self, key):
     if key not in self.values:
       raise RuntimeError("NOT_FOUND")
     return self.values[key]
+
+
+class SlowWriter(FakeStore):
+  """Another process writes `key` only after this one has waited `polls` times for it (a
+  loaded host compiling for minutes before its first gather)."""
+
+  def __init__(self, key: str, value: bytes, polls: int):
+    super().__init__()
+    self.key, self.value, self.polls, self.waits = key, value, polls, 0
+
+  def blocking_key_value_get_bytes(self, key, timeout_ms):
+    if key == self.key:
+      self.waits += 1
+      if self.waits > self.polls:
+        self.values.setdefault(key, self.value)
+    return super().blocking_key_value_get_bytes(key, timeout_ms)
 
 
 @pytest.fixture
@@ -90,3 +113,40 @@ def test_a_restarted_process_whose_run_ended_says_so(store):
   store.key_value_set("layup_jax/done/0", "1")
   with pytest.raises(distributed.RejoinError, match="the run ended first"):
     distributed.Membership().await_admission()
+
+
+@pytest.fixture
+def guarded(monkeypatch):
+  """A fresh membership whose run a watchdog guards, and no fixed bound on a gather's wait
+  other than the writer's life (the bound of an unguarded run set to zero)."""
+  members = distributed.Membership()
+  members.watched = True
+  monkeypatch.setattr(distributed, "members", members)
+  monkeypatch.setattr(distributed, "GATHER_TIMEOUT_S", 0.0)
+  return members
+
+
+def test_a_guarded_gather_waits_for_a_slow_process_as_long_as_it_lives(monkeypatch, guarded):
+  slow = SlowWriter("layup_jax/gather/7/1", b'"theirs"', polls=100)
+  monkeypatch.setattr(compat, "coordination_client", lambda: slow)
+  monkeypatch.setattr(distributed, "_next_gather", 7)
+  monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
+  assert distributed.all_gather_json("mine") == ["mine", "theirs"]
+  assert slow.waits == 101
+
+
+def test_an_unguarded_wait_ends_at_its_bound_naming_the_process(store, monkeypatch):
+  monkeypatch.setattr(distributed, "members", distributed.Membership())  # no watchdog
+  monkeypatch.setattr(distributed, "GATHER_TIMEOUT_S", 0.0)
+  with pytest.raises(TimeoutError, match="process 1 did not write"):
+    distributed.await_value(store, "layup_jax/gather/7/1", 1)
+
+
+def test_a_guarded_wait_ends_when_the_writer_ended_without_writing(store, guarded):
+  store.key_value_set("layup_jax/done/1", "1")  # it failed on its own and said it is done
+  with pytest.raises(RuntimeError, match="process 1 ended without writing"):
+    distributed.await_value(store, "layup_jax/gather/7/1", 1)
+  guarded.declare(store, 2, 30)
+  with pytest.raises(distributed.ProcessLostError, match="process 2 was declared lost"):
+    distributed.await_value(store, "layup_jax/gather/7/2", 2)
