@@ -24,7 +24,9 @@ import concurrent.futures
 import json
 import os
 import pathlib
+import queue
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -267,6 +269,36 @@ def check_compatible(saved_json: str, current_json: str, where: pathlib.Path) ->
                               for k in changed))
 
 
+class _SaveThread:
+  """Runs the saves in order on one daemon thread.
+
+  Daemon, and so is every thread Orbax starts from it (a thread takes its creator's daemon
+  flag): a save given up when a process was lost (`Checkpoints.limit_to`) stays in Orbax's
+  barrier for the lost process and must not keep this process from exiting. Every other save
+  is waited for by `Checkpoints.wait`/`close` before the run ends."""
+
+  def __init__(self):
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=self._run, name="checkpoint", daemon=True).start()
+
+  def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    self._queue.put((future, fn, args))
+    return future
+
+  def shutdown(self) -> None:
+    self._queue.put(None)
+
+  def _run(self) -> None:
+    while (work := self._queue.get()) is not None:
+      future, fn, args = work
+      if future.set_running_or_notify_cancel():
+        try:
+          future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits on it
+          future.set_exception(error)
+
+
 class Checkpoints:
   """The run's Orbax CheckpointManager: asynchronous saves, the last `keep` kept.
 
@@ -284,8 +316,9 @@ class Checkpoints:
     self.processes: tuple[int, ...] | None = None
     self._since_step = 0
     self._manager = self._open()
-    self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+    self._worker = _SaveThread()
     self._pending: list[concurrent.futures.Future] = []
+    self._started: list[int] = []  # the steps of the saves started since the last full wait
 
   def _open(self) -> ocp.CheckpointManager:
     if jax.process_count() > 1:
@@ -309,17 +342,36 @@ class Checkpoints:
         read_only=self._read_only, multiprocessing_options=multiprocessing)
     return ocp.CheckpointManager(self.directory, options=options)
 
-  def limit_to(self, processes, step: int) -> None:
-    """Saves from `step` on among `processes` only (an elastic run that lost a process): once
-    the saves under way are written, a manager of their own; the earlier one is dropped, not
-    closed, since closing it would wait for every process of its set. Every member calls it
-    at the same step."""
+  def limit_to(self, processes, step: int, patience_s: float) -> list[int]:
+    """Saves from `step` on among `processes` only (an elastic run that lost a process), with
+    a manager of their own. Every member calls it at the same step; returns the steps given up.
+
+    The saves under way are given `patience_s` to be written (or to fail). One still waiting
+    then waits in Orbax's barrier for the lost process's part, which will never come (found:
+    the survivors hung at their next save), and is given up with its save thread: left to
+    that daemon thread, its error unread, its temporary folder removed when a manager next
+    opens the folder. The earlier manager is dropped, not closed (closing would wait for every
+    process of its set)."""
     processes = tuple(sorted(processes))
     if processes == self.processes:
-      return
-    self.wait()
+      return []
+    under_way = self._worker.submit(self._manager.wait_until_finished)  # after the saves queued
+    try:
+      under_way.result(timeout=patience_s)
+      stuck = False
+    except concurrent.futures.TimeoutError:
+      stuck = True
+    except Exception:  # noqa: BLE001 - a save that failed with the lost process: given up
+      stuck = False
+    if stuck:
+      self._worker.shutdown()
+      self._worker = _SaveThread()
+    self._pending = []
     self.processes, self._since_step = processes, step
     self._manager = self._open()
+    newest = max(self.steps(), default=-1)  # (older ones may have been deleted, `keep`)
+    given_up, self._started = [s for s in self._started if s > newest], []
+    return given_up
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -334,12 +386,16 @@ class Checkpoints:
     """
     self._raise_finished_errors()
     packed = None if arrays_stay_valid else pack(arrays)
-    self._pending.append(self._worker.submit(self._write, step, arrays, packed, meta))
+    newest = self._manager.latest_step()
+    self._started = [s for s in self._started if newest is None or s > newest] + [step]
+    self._pending.append(self._worker.submit(self._write, self._manager, step, arrays, packed,
+                                             meta))
 
-  def _write(self, step: int, arrays: PyTree, packed, meta: dict[str, Any]) -> None:
+  def _write(self, manager: ocp.CheckpointManager, step: int, arrays: PyTree, packed,
+             meta: dict[str, Any]) -> None:
     try:
       packed = pack(arrays) if packed is None else packed
-      self._manager.save(step, args=ocp.args.Composite(
+      manager.save(step, args=ocp.args.Composite(
           arrays=ocp.args.StandardSave(packed), meta=ocp.args.JsonSave(meta)), force=True)
     except Exception as error:  # also the previous asynchronous write's error
       raise self._save_error(step, error) from error
@@ -359,6 +415,7 @@ class Checkpoints:
       self._manager.wait_until_finished()
     except Exception as error:
       raise self._save_error(self._manager.latest_step(), error) from error
+    self._started = []
 
   def _save_error(self, step, error: BaseException) -> StorageError:
     previous = [s for s in self.steps() if s != step]

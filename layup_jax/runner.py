@@ -215,6 +215,7 @@ class Session:
     self.latencies: list[list[float]] | None = None  # every sample of this process, per stage
     self.remote_latencies: list[float] = []  # every send between processes (process 0)
     self._saved_step: int | None = None
+    self.checkpoints_given_up: list[int] = []  # saves under way when a process was lost
     self.stopped_at_target = False  # `metrics.stop_at_target` ended the run early
     self.rejoined_at: int | None = None  # the step at which this process rejoined its run
     self._bar: tqdm.tqdm | None = None
@@ -401,7 +402,14 @@ class Session:
     if self.checkpoints is None:  # this process rejoined: it took part, and writes nothing
       return
     if lost:
-      self.checkpoints.limit_to(members, step)
+      patience_s = self.config.distributed.heartbeat_timeout_s
+      given_up = self.checkpoints.limit_to(members, step, patience_s)
+      self.checkpoints_given_up += given_up
+      if given_up and self.primary:
+        print(f"checkpoint {', '.join(map(str, given_up))} given up: it was under way when a "
+              f"process was lost and still waited for it after {patience_s:g} s; the "
+              f"checkpoints from step {step} on are the live processes'", file=sys.stderr,
+              flush=True)
     self.checkpoints.save(step, arrays, {
         "step": step, "train_time_s": self.train_time, "runtime": runtime_meta,
         "data": data_states, "config": self.config.to_json_best_effort(),
@@ -419,7 +427,7 @@ class Session:
         self.save(step)
       checkpoints.wait()
     return {"stopped": True, "primary": self.primary, "step": step,
-            "num_steps": self.num_steps,
+            "num_steps": self.num_steps, "checkpoints_given_up": self.checkpoints_given_up,
             "checkpoint": str(checkpoints.directory / str(step))
             if checkpoints is not None and step in checkpoints.steps() else None}
 
@@ -446,7 +454,8 @@ class Session:
     config, record, stats = self.config, self.record, self.runtime.stats
     if not self.primary:
       return {"primary": False, "algorithm": config.algorithm, "num_steps": self.num_steps,
-              "wall_time_s": self.train_time, "compile_s": self.compile_s}
+              "wall_time_s": self.train_time, "compile_s": self.compile_s,
+              "checkpoints_given_up": self.checkpoints_given_up}
     language_model = self.dataset.kind == "language_model"
     summary = {
         "algorithm": config.algorithm,
@@ -461,6 +470,7 @@ class Session:
         "weight_sum_max": record["weight_sum_max"],
         "wall_time_s": self.train_time,
         "compile_s": self.compile_s,
+        "checkpoints_given_up": self.checkpoints_given_up,
         "train_samples_per_s": self.samples_per_s(),
         "skipped_steps": stats.skipped_steps(),
         "host_threads_cpu_s": stats.host_cpu_s(),

@@ -111,6 +111,19 @@ def main(argv: list[str]) -> None:
   finally:
     if watchdog is not None:
       watchdog.finish()
+  _report(summary, stop)
+  if summary.get("checkpoints_given_up"):
+    # A save given up when a process was lost still waits, on a daemon thread, in Orbax's
+    # barrier inside jax's runtime; the interpreter's finalization would end that thread in
+    # mid-call and abort this process (found: status -6 after a run that had ended well).
+    # Everything of the run is written and waited for by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _report(summary: dict, stop: StopRequest) -> None:
+  """The run's last line (process 0)."""
   if not summary.get("primary", True):
     return  # process 0 prints the run's line
   if summary.get("stopped"):

@@ -7,6 +7,8 @@ thread interleaving is not, so a resumed runtime must hold exactly what was save
 import json
 import pathlib
 import shutil
+import threading
+import time
 
 import chex
 import jax
@@ -284,6 +286,46 @@ def test_partial_and_truncated_checkpoints_fall_back_to_the_previous_one(tmp_pat
   _assert_trees_equal(_host(arrays), step_1)
   assert checkpoints.steps() == [1]  # step 2 moved aside, so it can be saved again
   assert any((tmp_path / "checkpoints_unreadable").iterdir())
+  checkpoints.close()
+
+
+def test_a_save_waiting_for_a_lost_process_is_given_up_and_the_live_processes_save_on(
+    tmp_path, monkeypatch):
+  """An elastic run's save under way when a process is lost waits in Orbax's barrier for that
+  process's part, which never comes; at the next save the live processes give it up after
+  their patience and save on with a manager of their own; the saves written before are kept
+  and not counted as given up. (Here Orbax's save of step 180 blocks, as its barrier does,
+  until the test ends.)"""
+  import orbax.checkpoint as ocp
+
+  release = threading.Event()
+  original_save = ocp.CheckpointManager.save
+
+  def save(manager, step, *args, **kwargs):
+    if step == 180:  # under way when the process is lost: waits for its part
+      release.wait()
+      raise RuntimeError("barrier timed out")
+    return original_save(manager, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+  runtime = make_layup_runtime(2)
+  checkpoints = Checkpoints(tmp_path / "checkpoints", keep=3)
+  try:
+    arrays, meta = runtime.checkpoint.state_dict()
+    checkpoints.save(160, arrays, {"runtime": meta})
+    checkpoints.wait()
+    checkpoints.save(180, arrays, {"runtime": meta})
+    started = time.monotonic()
+    assert checkpoints.limit_to([0], 200, patience_s=0.5) == [180]
+    assert time.monotonic() - started < 30  # given up after its patience, not waited for
+    runtime.iterate_serial(0)
+    arrays, meta = runtime.checkpoint.state_dict()
+    checkpoints.save(200, arrays, {"runtime": meta})
+    checkpoints.wait()
+    assert checkpoints.steps() == [160, 200]
+    assert checkpoints.limit_to([0], 220, patience_s=0.5) == []  # the same set: nothing to do
+  finally:
+    release.set()
   checkpoints.close()
 
 
