@@ -3,7 +3,7 @@
     python tests/multiprocess_pushsum.py PORT NUM_PROCESSES PROCESS_ID ALGORITHM ITERATIONS \
         [OPTION=VALUE ...]
 
-The threaded runtime on this process's devices of an 8-device run, learning rate 0, every
+The threaded runtime on this process's devices of a 4-device run, learning rate 0, every
 replica given its own parameters (drawn from its global position): only gossip moves them, and
 push-sum must keep each stage's weighted average over all processes. Process 0 prints one JSON
 line: the average's relative change, the weight sums, the disagreement before and after, the
@@ -36,7 +36,7 @@ def main() -> None:
   from tests.helpers import make_layup_runtime
 
   exchange = {"layup": LayUp, "gosgd": GoSGD, "adpsgd": ADPSGD}[algorithm]
-  runtime = make_layup_runtime(8, learning_rate=0.0, exchange=exchange, **options)
+  runtime = make_layup_runtime(4, learning_rate=0.0, exchange=exchange, **options)
   arrays, meta = runtime.checkpoint.state_dict()
   for i, replica in enumerate(arrays["replicas"]):  # i: this process's; rng: the run's position
     rng = np.random.default_rng(100 + runtime.first + i)

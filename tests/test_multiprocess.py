@@ -1,5 +1,5 @@
-"""Several processes as one run, on JAX's distributed runtime: 2 processes x 4 CPU devices on
-127.0.0.1 against one process with 8 devices."""
+"""Several processes as one run, on JAX's distributed runtime: 2 processes x 4 (or 2) CPU devices
+on 127.0.0.1 against one process with 8 (or 4) devices; 3 x 2 for the elastic runs."""
 
 import json
 import os
@@ -274,8 +274,9 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
     ("layup", ["remote_peer_probability=0.9", "max_remote_backlog=1"]),
     ("layup", ["remote_peer_probability=0.9", "compression='int8'"])])
 def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm, options):
-  """Learning rate 0, every replica its own parameters, 2 processes x 4 devices with their
-  threads: gossip (a good share of it between the processes; AD-PSGD's pairwise averages too)
+  """Learning rate 0, every replica its own parameters, 2 processes x 2 devices with their
+  threads (2 x 2, not 2 x 4: each device compiles every stage's programs, and process 1's are
+  never in the compilation cache on CPU devices; docs/elastic.md): gossip (a good share of it between the processes; AD-PSGD's pairwise averages too)
   moves the replicas toward their average and must not move the average itself
   (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.send_halved`).
   The same holds with peers chosen by process (9 in 10 on the other) and the sends beyond one
@@ -284,7 +285,7 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   returned at the end (the average's drift before it was, reported, is the compression's)."""
   port, script = free_port(), ROOT / "tests" / "multiprocess_pushsum.py"
   processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), algorithm,
-                                 "150", *options], cwd=ROOT, env=environment(4), stdout=subprocess.PIPE,
+                                 "150", *options], cwd=ROOT, env=environment(2), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for k in range(2)]
   try:
     outputs = [process.communicate(timeout=300)[0] for process in processes]
@@ -296,8 +297,9 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   assert result["relative_change"] < 1e-5
   assert result["weight_sums"] == pytest.approx([1.0] * 3, abs=1e-12)
   assert result["spread_after"] < 1e-2 * result["spread"]
-  assert sum(result["iterations"]) == 1200 and min(result["iterations"]) > 0
-  assert result["sends_between_processes"] > 100
+  assert sum(result["iterations"]) == 600 and min(result["iterations"]) > 0
+  # One in twelve iterations' sends crossing, as at 2 x 4 (> 100 of 1,200; 166 and 92 seen).
+  assert result["sends_between_processes"] > 600 / 12
   # Each send carries one stage; each of AD-PSGD's pairwise averages carries one each way.
   each_way = {"layup": 1, "adpsgd": 2}[algorithm] * result["sends_between_processes"]
   sizes = result["stage_bytes"]
