@@ -358,14 +358,11 @@ class Checkpoints:
     under_way = self._worker.submit(self._manager.wait_until_finished)  # after the saves queued
     try:
       under_way.result(timeout=patience_s)
-      stuck = False
-    except concurrent.futures.TimeoutError:
-      stuck = True
-    except Exception:  # noqa: BLE001 - a save that failed with the lost process: given up
-      stuck = False
-    if stuck:
+    except concurrent.futures.TimeoutError:  # waits for the lost process: left to its thread
       self._worker.shutdown()
       self._worker = _SaveThread()
+    except Exception:  # noqa: BLE001, S110 - a save that failed with the lost process: given up
+      pass
     self._pending = []
     self.processes, self._since_step = processes, step
     self._manager = self._open()
@@ -386,8 +383,7 @@ class Checkpoints:
     """
     self._raise_finished_errors()
     packed = None if arrays_stay_valid else pack(arrays)
-    newest = self._manager.latest_step()
-    self._started = [s for s in self._started if newest is None or s > newest] + [step]
+    self._started.append(step)
     self._pending.append(self._worker.submit(self._write, self._manager, step, arrays, packed,
                                              meta))
 
