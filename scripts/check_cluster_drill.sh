@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Checks that scripts/cluster_drill.sh leaves nothing behind: after a normal exit, after SIGINT
-# and SIGTERM mid-run, and after a failing process, no layup_host* namespace, layup_* link or
+# and SIGTERM mid-run, after a failing process, and after a host whose link went down, no layup_host* namespace, layup_* link or
 # /etc/netns entry remains; it also checks the refusals. The training command is replaced by a
 # stand-in (PYTHON=...) so that the check takes seconds. Needs root.
 #
@@ -48,6 +48,29 @@ os.execvp("bash", ["bash", "scripts/cluster_drill.sh", "--hosts", "3", "--device
   wait "$pid"; status=$?
   check "SIG$signal mid-run" $([ "$signal" = INT ] && echo 130 || echo 143) "$status"
 done
+# A host whose link goes down, then its process killed (a vanished host): its socket towards
+# host 0, still closing, holds its namespace (and veth pair) for minutes after `ip netns del`.
+cat > "$work/vanishes" << 'EOF_STANDIN'
+#!/bin/bash
+case "${@: -1}" in
+  *process_id=0) exec python3 -c 'import socket, time
+server = socket.create_server(("10.231.1.1", 12399)); server.settimeout(10)
+peer = server.accept()[0]; time.sleep(4)' ;;
+  *process_id=2) exec python3 -c 'import pathlib, socket, sys, time
+time.sleep(0.5); peer = socket.create_connection(("10.231.1.1", 12399))
+peer.sendall(b"x" * 65536); pathlib.Path(sys.argv[1]).touch(); time.sleep(30)' "$LAYUP_CONNECTED" ;;
+  *) sleep 4 ;;
+esac
+EOF_STANDIN
+chmod +x "$work/vanishes"
+PYTHON="$work/vanishes" LAYUP_CONNECTED="$work/connected" drill > /dev/null 2>&1 &
+pid=$!
+for _ in $(seq 100); do [ -e "$work/connected" ] && break; sleep 0.1; done
+ip link set layup_b2 down
+ip netns pids layup_host2 2> /dev/null | xargs -r kill -9
+wait "$pid"; status=$?; [ -e "$work/connected" ] || echo "the stand-in of host 2 never connected"
+check "a host whose link went down, then killed" 137 "$status"
+
 ip netns add layup_host1
 bash scripts/cluster_drill.sh --hosts 2 --devices-per-host 1 -- x 2> "$work/err"; status=$?
 ip netns del layup_host1

@@ -59,12 +59,18 @@ fi
 
 [ -d /etc/netns ] && made_etc_netns=0 || made_etc_netns=1
 cleanup() {
-  for ns in "${NS[@]}"; do
+  for ((k = 0; k < HOSTS; k++)); do
+    ns=${NS[$k]}
     ip netns pids "$ns" 2> /dev/null | xargs -r kill -9 2> /dev/null || true
-    ip netns del "$ns" 2> /dev/null || true  # takes its veth pair with it
+    ip netns del "$ns" 2> /dev/null || true
+    # The namespace's veth pair goes with it only once nothing holds the namespace: a socket
+    # still closing towards an unreachable host (a host whose link went down) keeps it for
+    # minutes, and its pair with it. Deleting the bridge's end deletes the pair now.
+    ip link del "layup_b$k" 2> /dev/null || true
     rm -rf "/etc/netns/$ns"
   done
   ip link del "$BRIDGE" 2> /dev/null || true
+  [ -n "${STATUSES:-}" ] && rm -rf "$STATUSES"
   if [ "$made_etc_netns" = 1 ]; then rmdir /etc/netns 2> /dev/null || true; fi
 }
 trap cleanup EXIT
@@ -94,18 +100,25 @@ done
 
 FLAGS="$(echo "${XLA_FLAGS:-}" | tr ' ' '\n' | grep -v xla_force_host_platform_device_count | tr '\n' ' ')"
 started=$(date +%s.%N)
+# Each process's exit status goes to a file: `wait` on a background pipeline that ended while
+# the script waited for another returns its last command's status (sed's), not the process's.
+STATUSES=$(mktemp -d)
 pids=()
 for ((k = 0; k < HOSTS; k++)); do
   prefix=""; [ "$k" -gt 0 ] && prefix="[p$k] "
-  ip netns exec "${NS[$k]}" env XLA_FLAGS="$FLAGS --xla_force_host_platform_device_count=$PER_HOST" \
+  { ip netns exec "${NS[$k]}" env XLA_FLAGS="$FLAGS --xla_force_host_platform_device_count=$PER_HOST" \
       PYTHONUNBUFFERED=1 "${PYTHON:-python}" -m layup_jax.train "$@" \
       "--config.distributed.coordinator_address=${ADDR[0]}:$PORT" \
       "--config.distributed.num_processes=$HOSTS" "--config.distributed.process_id=$k" 2>&1 \
-      | sed -u "s/^/$prefix/" &
+      && echo 0 > "$STATUSES/$k" || echo $? > "$STATUSES/$k"; } | sed -u "s/^/$prefix/" &
   pids+=($!)
 done
+wait "${pids[@]}" || true
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || { code=$?; [ "$status" = 0 ] && status=$code; }; done
+for ((k = 0; k < HOSTS; k++)); do
+  code=$(cat "$STATUSES/$k" 2> /dev/null || echo 1)
+  [ "$status" = 0 ] && status=$code
+done
 elapsed=$(awk "BEGIN { print $(date +%s.%N) - $started }")
 
 counter() { ip netns exec "${NS[$1]}" cat "/sys/class/net/layup_h$1/statistics/$2"; }
