@@ -22,7 +22,9 @@ been added on its peer, so the per-stage push-sum sum over all processes is exac
 import collections
 import itertools
 import json
+import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +45,7 @@ _ACK_EVERY = 16
 _IDLE_MS = 2
 _BATCH = 64
 _ACK_POLL_S = 0.002  # how often a waiting sender reads the acknowledgements
+_PULL_POLL_S = 0.001  # how often an elastic run's pull looks whether its source was lost
 
 
 def own_address_toward(host: str) -> str:
@@ -59,6 +62,34 @@ def transfer_host(configured: str) -> str:
     return configured
   coordinator = compat.coordinator_address() or "127.0.0.1:0"
   return own_address_toward(coordinator.rsplit(":", 1)[0].strip("[]"))
+
+
+def _host_of(address: str) -> str:
+  return address.rsplit(":", 1)[0].strip("[]")
+
+
+def shut_sockets_to(host: str) -> int:
+  """Shuts down every TCP socket of this process whose peer is `host` (an address or a name),
+  whoever opened it (the transfer library's included), so that a thread blocked on one sees
+  the connection end; returns their count. Linux (`/proc/self/fd`); elsewhere nothing."""
+  try:
+    names = os.listdir("/proc/self/fd")
+    peers = {info[4][0] for info in socket.getaddrinfo(host, None)}
+  except OSError:
+    return 0
+  shut = 0
+  for name in names:
+    try:
+      if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+        continue
+      with socket.socket(fileno=os.dup(int(name))) as sock:  # closing the copy keeps the fd
+        if sock.type == socket.SOCK_STREAM and \
+            sock.getpeername()[0].removeprefix("::ffff:") in peers:
+          sock.shutdown(socket.SHUT_RDWR)
+          shut += 1
+    except OSError:  # closed meanwhile, not connected, not a socket of ours to read
+      continue
+  return shut
 
 
 def start_server(host: str, num_local_devices: int):
@@ -125,8 +156,22 @@ class RemotePeers:
 
   def lose(self, process: int) -> None:
     """Process `process` is lost: nothing more goes to it or waits for it; its receiver loop
-    ends. What was announced to it and not merged is lost with it."""
+    ends. What was announced to it and not merged is lost with it.
+
+    A process killed on a live host has its connections closed by that host; one whose host
+    vanished (power, a cable, a link down) leaves them open, and the transfer library's
+    receive threads block in `recv` on them for as long as TCP retransmits (minutes): the
+    pulls from live processes queued on those threads wait too, and every survivor stalls
+    at its next consistent point (found in the vanished-host drill, docs/elastic.md). So its
+    host's sockets are shut down here, as if it had closed them, unless a live process (or
+    this one) has the same address: processes sharing a host are lost together when it
+    vanishes, and one killed alone closes its own."""
     self.lost = self.lost | {process}
+    host = _host_of(self._addresses[process])
+    live = {_host_of(self._server.address())} | {
+        _host_of(a) for k, a in self._addresses.items() if k not in self.lost}
+    if host not in live:
+      shut_sockets_to(host)
 
   def rejoin(self, process: int) -> None:
     """`process` was started again and admitted (at a consistent point, every notice to and
@@ -299,9 +344,7 @@ class RemotePeers:
   def _receive_one(self, source: int, notice: dict) -> None:
     """Pulls one announced send onto its device and merges it."""
     j, s = notice["peer"] - self._first, notice["stage"]
-    received = self._pull(source, notice["uuid"], j, s, notice["encoded"])
-    if distributed.members.elastic:  # a sender that died mid-pull fails it here, not in a merge
-      received = jax.block_until_ready(received)
+    received = self._arrived(source, self._pull(source, notice["uuid"], j, s, notice["encoded"]))
     if notice["encoded"]:
       received = self._compressor.decode(s, received)
     self._merge(j, s, received, float(notice["amount"]))
@@ -332,9 +375,7 @@ class RemotePeers:
           raise
     self._client.key_value_delete(reply)
     try:  # in an elastic run, waited for here, where a dead peer's failure can be caught
-      theirs = self._pull(process, theirs_uuid, i, s)
-      if distributed.members.elastic:
-        theirs = jax.block_until_ready(theirs)
+      theirs = self._arrived(process, self._pull(process, theirs_uuid, i, s))
     except Exception:
       if distributed.members.await_loss(process):  # died mid-pull: this side stays as it was
         return
@@ -348,8 +389,27 @@ class RemotePeers:
     theirs = jax.block_until_ready(self._read(j, s))
     uuid = self._offer(theirs)
     self._client.key_value_set(f"layup_jax/gossip-reply/{source}/{notice['uuid']}", str(uuid))
-    self._correct(j, s, theirs, self._pull(source, notice["uuid"], j, s))
+    self._correct(j, s, theirs, self._arrived(source, self._pull(source, notice["uuid"], j, s)))
     self.latencies.append(time.time() - notice["offered_at"])
+
+  def _arrived(self, source: int, pulled: PyTree) -> PyTree:
+    """`pulled` once its transfer has arrived, in an elastic run (else as it is: its merge
+    waits for it on the device). There a sender that dies mid-pull fails the transfer here,
+    not in a merge; and one whose host vanished without closing its connections (power, a
+    cable, a link down) leaves it waiting while TCP retransmits for minutes: the wait ends when
+    the source is declared lost (`ProcessLostError`, its amount lost with it), so that nothing
+    computed on this device ever waits for it and the receiver thread ends."""
+    if not distributed.members.elastic:
+      return pulled
+    leaves = jax.tree.leaves(pulled)
+    while not all(leaf.is_ready() for leaf in leaves):
+      if source in self.lost:
+        print(f"process {self._me}: a transfer from process {source} was in flight when it was "
+              f"declared lost; dropped, its push-sum amount lost with it", file=sys.stderr,
+              flush=True)
+        raise distributed.ProcessLostError(source)
+      time.sleep(_PULL_POLL_S)
+    return jax.block_until_ready(pulled)
 
   def _acknowledge(self, source: int, received: int) -> int:
     self._client.key_value_set(f"layup_jax/gossip-ack/{source}/{self._me}", str(received),

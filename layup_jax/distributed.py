@@ -344,7 +344,7 @@ def await_value(client, key: str, writer: int) -> bytes:
 
 
 class ProcessLostError(RuntimeError):
-  """A gather waited on a process that was declared lost meanwhile."""
+  """A wait (a gather, a pull) on a process that was declared lost meanwhile."""
 
   def __init__(self, process: int):
     super().__init__(f"process {process} was declared lost")

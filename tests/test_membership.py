@@ -1,6 +1,12 @@
 """Who is lost and who rejoins an elastic gossip run (layup_jax/distributed.py `Membership`),
 against an in-memory stand-in for the coordination service's key-value store."""
 
+import socket
+import threading
+import time
+import types
+
+import jax
 import pytest
 
 from layup_jax import compat, distributed
@@ -150,3 +156,56 @@ def test_a_guarded_wait_ends_when_the_writer_ended_without_writing(store, guarde
   guarded.declare(store, 2, 30)
   with pytest.raises(distributed.ProcessLostError, match="process 2 was declared lost"):
     distributed.await_value(store, "layup_jax/gather/7/2", 2)
+
+
+class NeverArrives:
+  """A pulled array whose transfer never completes: its source's host vanished without closing
+  the connection (TCP retransmits for minutes)."""
+
+  def is_ready(self):
+    return False
+
+
+def test_a_pull_from_a_host_that_vanished_ends_when_the_host_is_declared_lost(monkeypatch,
+                                                                              capsys):
+  """In an elastic run a pull waits for its transfer only as long as its source lives: once the
+  watchdog declares the source lost, the wait raises `ProcessLostError` (the receiver loop then
+  ends quietly) and says in one line that the transfer's amount is lost with it; nothing
+  computed on this process's devices waits for the transfer."""
+  from layup_jax.crossprocess import RemotePeers
+  monkeypatch.setattr(distributed.members, "elastic", True)
+  peers = types.SimpleNamespace(_me=1, lost=set())
+  declared = threading.Timer(0.2, lambda: setattr(peers, "lost", {2}))
+  declared.start()
+  started = time.monotonic()
+  with pytest.raises(distributed.ProcessLostError):
+    RemotePeers._arrived(peers, 2, [NeverArrives(), NeverArrives()])
+  assert 0.2 <= time.monotonic() - started < 5
+  assert "process 1: a transfer from process 2 was in flight when it was declared lost" \
+      in capsys.readouterr().err
+  # A transfer that arrives is returned, whatever else is lost.
+  arrived = [jax.numpy.ones(3)]
+  assert RemotePeers._arrived(peers, 0, arrived)[0] is arrived[0]
+
+
+def test_a_lost_hosts_sockets_are_shut_so_that_a_blocked_receive_ends():
+  """A host that vanished leaves its connections open and a receive on one blocked for as
+  long as TCP retransmits; `shut_sockets_to(host)` ends that receive at once (as if the host
+  had closed the connection) and leaves the connections to other hosts working. (Loopback's
+  127.0.0.2 stands for the lost host, 127.0.0.1 for a live one.)"""
+  from layup_jax.crossprocess import shut_sockets_to
+  servers = [socket.create_server((host, 0)) for host in ("127.0.0.2", "127.0.0.1")]
+  lost, live = [socket.create_connection(s.getsockname()) for s in servers]
+  accepted = [s.accept()[0] for s in servers]
+  received = []
+  blocked = threading.Thread(target=lambda: received.append(lost.recv(1024)), daemon=True)
+  blocked.start()
+  time.sleep(0.2)
+  assert blocked.is_alive()  # nothing comes from the lost host
+  assert shut_sockets_to("127.0.0.2") == 1  # the connection to it (its side has peer 127.0.0.1)
+  blocked.join(timeout=5)
+  assert not blocked.is_alive() and received == [b""]
+  accepted[1].sendall(b"still here")
+  assert live.recv(1024) == b"still here"
+  for sock in [*servers, lost, live, *accepted]:
+    sock.close()
