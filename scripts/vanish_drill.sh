@@ -7,7 +7,7 @@
 # (the drill's status is then host 2's, 137), process 0 names the lost process once, and the
 # run's summary exists; prints what happened and where.
 #
-#   sudo bash scripts/vanish_drill.sh [--steps 1500] [--at 0.4] [--rate 20mbit] [--slow 200kbit]
+#   sudo PYTHON=.venv/bin/python bash scripts/vanish_drill.sh [--steps 1500] [--at 0.4] [--rate 20mbit] [--slow 200kbit]
 #                                     [--workdir runs/vanish] [-- <more train arguments>]
 set -uo pipefail
 cd "$(dirname "$0")/.."
