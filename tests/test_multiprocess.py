@@ -296,9 +296,8 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   result = json.loads([line for line in outputs[0].splitlines() if line.startswith("{")][-1])
   assert result["relative_change"] < 1e-5
   assert result["weight_sums"] == pytest.approx([1.0] * 3, abs=1e-12)
-  # Alone the disagreement shrank 2,000x or more (ratio <= 5e-4, 3 runs); once, in a loaded suite,
-  # only 31x
-  # (2026-11-27, cause not found): the message keeps what would tell.
+  # Alone the disagreement shrank 2,000x or more (ratio <= 5e-4, 3 runs); once, in a loaded
+  # suite, only 31x (2026-11-27, cause not found): the message keeps what would tell.
   assert result["spread_after"] < 1e-2 * result["spread"], {
       k: result[k] for k in ("spread", "spread_after", "iterations", "sends_between_processes",
                              "rerouted")}
