@@ -26,6 +26,7 @@ import os
 import pathlib
 import queue
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -270,16 +271,21 @@ def check_compatible(saved_json: str, current_json: str, where: pathlib.Path) ->
 
 
 class _SaveThread:
-  """Runs the saves in order on one daemon thread.
+  """Runs the saves in order on one thread of our own.
 
-  Daemon, and so is every thread Orbax starts from it (a thread takes its creator's daemon
-  flag): a save given up when a process was lost (`Checkpoints.limit_to`) stays in Orbax's
-  barrier for the lost process and must not keep this process from exiting. Every other save
-  is waited for by `Checkpoints.wait`/`close` before the run ends."""
+  Not a daemon thread, nor then are the threads Orbax starts from it (a thread takes its
+  creator's flag): at the interpreter's exit Python ends a daemon thread that wakes into it,
+  and one doing so from C++ aborts the process (`FATAL: exception not rethrown`, status 134:
+  3 in 10 runs of the README's digits command at 696d575, with this thread a daemon; none in
+  12 without). A save given up when a process was lost (`Checkpoints.limit_to`) stays in
+  Orbax's barrier for ever: the process that gave it up leaves with `os._exit`
+  (layup_jax/train.py). Every other save is waited for by `Checkpoints.wait`/`close`."""
+
+  stuck = 0  # this process's save threads left in a barrier (see `leave_if_saves_stuck`)
 
   def __init__(self):
     self._queue: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=self._run, name="checkpoint", daemon=True).start()
+    threading.Thread(target=self._run, name="checkpoint").start()
 
   def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -297,6 +303,15 @@ class _SaveThread:
           future.set_result(fn(*args))
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits on it
           future.set_exception(error)
+
+
+def leave_if_saves_stuck(status: int) -> None:
+  """Ends the process now with `status` if a given-up save's thread still waits in Orbax's
+  barrier (the interpreter would wait for it at exit for ever); else returns."""
+  if _SaveThread.stuck:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 class Checkpoints:
@@ -349,7 +364,7 @@ class Checkpoints:
     The saves under way are given `patience_s` to be written (or to fail). One still waiting
     then waits in Orbax's barrier for the lost process's part, which will never come (found:
     the survivors hung at their next save), and is given up with its save thread: left to
-    that daemon thread, its error unread, its temporary folder removed when a manager next
+    that thread, its error unread, its temporary folder removed when a manager next
     opens the folder. The earlier manager is dropped, not closed (closing would wait for every
     process of its set)."""
     processes = tuple(sorted(processes))
@@ -361,6 +376,7 @@ class Checkpoints:
     except concurrent.futures.TimeoutError:  # waits for the lost process: left to its thread
       self._worker.shutdown()
       self._worker = _SaveThread()
+      _SaveThread.stuck += 1
     except Exception:  # noqa: BLE001, S110 - a save that failed with the lost process: given up
       pass
     self._pending = []

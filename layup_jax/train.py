@@ -20,7 +20,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from layup_jax import algorithms, distributed, runner
+from layup_jax import algorithms, checkpointing, distributed, runner
 from layup_jax.errors import RejoinError, UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
@@ -107,19 +107,21 @@ def main(argv: list[str]) -> None:
     summary = runner.run(config, _WORKDIR.value, should_stop=stop)
   except UserError as error:
     print(f"error: {error}", file=sys.stderr)
-    sys.exit(error.exit_code)
+    failed = error.exit_code
+  else:
+    failed = None
   finally:
     if watchdog is not None:
       watchdog.finish()
+  if failed is not None:
+    checkpointing.leave_if_saves_stuck(failed)
+    sys.exit(failed)
   _report(summary, stop)
-  if summary.get("checkpoints_given_up"):
-    # A save given up when a process was lost still waits, on a daemon thread, in Orbax's
-    # barrier inside jax's runtime; the interpreter's finalization would end that thread in
-    # mid-call and abort this process (found: status -6 after a run that had ended well).
-    # Everything of the run is written and waited for by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+  # A save given up when a process was lost still waits, on its thread, in Orbax's barrier
+  # inside jax's runtime: the interpreter would wait for it at exit for ever (and, were it a
+  # daemon thread, end it in mid-call and abort: status -6 after a run that had ended well).
+  # Everything of the run is written and waited for by now.
+  checkpointing.leave_if_saves_stuck(0)
 
 
 def _report(summary: dict, stop: StopRequest) -> None:
