@@ -276,7 +276,7 @@ class _SaveThread:
   Not a daemon thread, nor then are the threads Orbax starts from it (a thread takes its
   creator's flag): at the interpreter's exit Python ends a daemon thread that wakes into it,
   and one doing so from C++ aborts the process (`FATAL: exception not rethrown`, status 134:
-  3 in 10 runs of the README's digits command at 696d575, with this thread a daemon; none in
+  3 in 10 runs of the README's digits command at 35c7733, with this thread a daemon; none in
   12 without). A save given up when a process was lost (`Checkpoints.limit_to`) stays in
   Orbax's barrier for ever: the process that gave it up leaves with `os._exit`
   (layup_jax/train.py). Every other save is waited for by `Checkpoints.wait`/`close`."""
