@@ -79,12 +79,17 @@ def _sigkill(work, k: int) -> None:
   os.kill(int(victim[0]), signal.SIGKILL)
 
 
+def _train_args_3x2(work, settings: dict) -> list[str]:
+  """The train arguments of a 3 processes x 2 devices run on the digits."""
+  return ["--config", "configs/digits.py", "--workdir", str(work), "--config.num_devices=6",
+          *_overrides(settings)]
+
+
 def _launch_3x2(work, settings: dict, launch_flag: str = "") -> list[str]:
   """The launcher's command for 3 processes x 2 devices on the digits."""
   return [sys.executable, "-m", "layup_jax.launch", "--processes", "3",
-          "--devices-per-process", "2", *launch_flag.split(), "--", "--config",
-          "configs/digits.py", "--workdir", str(work), "--config.num_devices=6",
-          *_overrides(settings)]
+          "--devices-per-process", "2", *launch_flag.split(), "--",
+          *_train_args_3x2(work, settings)]
 
 
 def _kill_process_2_of_3x2(work, settings: dict, launch_flag: str, at_step: int) -> tuple:
@@ -276,8 +281,9 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
 def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm, options):
   """Learning rate 0, every replica its own parameters, 2 processes x 2 devices with their
   threads (2 x 2, not 2 x 4: each device compiles every stage's programs, and process 1's are
-  never in the compilation cache on CPU devices; docs/elastic.md): gossip (a good share of it between the processes; AD-PSGD's pairwise averages too)
-  moves the replicas toward their average and must not move the average itself
+  never in the compilation cache on CPU devices; docs/elastic.md): gossip (a good share of it
+  between the processes; AD-PSGD's pairwise averages too) moves the replicas toward their
+  average and must not move the average itself
   (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.send_halved`).
   The same holds with peers chosen by process (9 in 10 on the other) and the sends beyond one
   unmerged there rerouted to a device of the sender's process, and with the sends between
@@ -453,8 +459,7 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
               "checkpoint.every": 250, "progress_bar": False,
               "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "rejoin"
-  every = commands(3, free_port(), ["--config", "configs/digits.py", "--workdir", str(work),
-                                    "--config.num_devices=6", *_overrides(settings)])
+  every = commands(3, free_port(), _train_args_3x2(work, settings))
   env = environment(2)
   logs = [tmp_path / f"process_{k}.log" for k in range(4)]
 
