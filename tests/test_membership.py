@@ -175,12 +175,17 @@ def test_a_pull_from_a_host_that_vanished_ends_when_the_host_is_declared_lost(mo
   from layup_jax.crossprocess import RemotePeers
   monkeypatch.setattr(distributed.members, "elastic", True)
   peers = types.SimpleNamespace(_me=1, lost=set())
-  declared = threading.Timer(0.2, lambda: setattr(peers, "lost", {2}))
-  declared.start()
-  started = time.monotonic()
+  declared_at = []
+
+  def declare():
+    declared_at.append(time.monotonic())
+    peers.lost = {2}
+
+  threading.Timer(0.2, declare).start()
   with pytest.raises(distributed.ProcessLostError):
     RemotePeers._arrived(peers, 2, [NeverArrives(), NeverArrives()])
-  assert 0.2 <= time.monotonic() - started < 5
+  # Raised only after the declaration, and soon after it (the wait polls every millisecond).
+  assert declared_at and 0 <= time.monotonic() - declared_at[0] < 5
   assert "process 1: a transfer from process 2 was in flight when it was declared lost" \
       in capsys.readouterr().err
   # A transfer that arrives is returned, whatever else is lost.
