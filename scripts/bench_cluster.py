@@ -18,12 +18,15 @@ coordination service, evaluation's gathers), and the median send latency between
 
 A variant is "NAME KEY=VALUE ..." (config overrides), run beside the plain algorithm; `--set`
 overrides every run's config; `--num-steps 0` / `--eval-every 0` keep the config's. With a
-target, each run records its time to it (training time, evaluation excluded).
+target, each run records its time to it (training time, evaluation excluded). `--repeats` is
+3 unless given. The drill starts `$PYTHON` (default: the interpreter running this script).
+Ctrl-C stops the run under way and removes its namespaces before this script stops.
 """
 
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +36,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from layup_jax import provenance
+
+
+def run_drill(command: list[str]) -> subprocess.CompletedProcess:
+  """Runs the drill, and on Ctrl-C lets it clean up before this script stops: `subprocess.run`
+  would SIGKILL it 0.25 s after the interrupt, in the middle of removing its namespaces, and
+  leave them (and the training processes in them) behind."""
+  with subprocess.Popen(command, cwd=ROOT, env={"PYTHON": sys.executable, **os.environ},
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as drill:
+    try:
+      stdout, stderr = drill.communicate()
+    except KeyboardInterrupt:
+      drill.send_signal(signal.SIGINT)  # a terminal's Ctrl-C has sent it too: the drill takes one
+      drill.wait()
+      raise
+  return subprocess.CompletedProcess(command, drill.returncode, stdout, stderr)
 
 
 def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int, args,
@@ -48,8 +66,7 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
              "--config.checkpoint.enabled=False",
              "--config.progress_bar=False", f"--config.compilation_cache_dir={args.cache}",
              *[f"--config.{o}" for o in [*args.set, *overrides]]]
-  result = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
-                          capture_output=True, text=True, check=False)
+  result = run_drill(command)
   if result.returncode:  # recorded and reported; the other runs go on
     print(f"{layout} {rate} {algorithm} failed (status {result.returncode}):\n"
           f"{result.stdout[-3000:]}{result.stderr[-2000:]}", file=sys.stderr, flush=True)
@@ -96,18 +113,22 @@ def main() -> None:
   for variant in args.variant:
     name, *overrides = variant.split()
     cases += [(f"{a}:{name}", a, overrides) for a in args.algorithms if a != "ddp"]
-  rows = []
-  for repeat in range(args.repeats):
-    for seed in args.seeds:
-      for layout in args.layouts:
-        for rate in args.rates:
-          for label, algorithm, overrides in cases:
-            with tempfile.TemporaryDirectory() as workdir:
-              row = run(layout, rate, algorithm, overrides, seed, args, workdir)
-            row.update(case=label, repeat=repeat, overrides=overrides)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            write(args, rows, table=None)  # so far, in case the run is stopped
+  rows, stopped = [], False
+  try:
+    for repeat in range(args.repeats):
+      for seed in args.seeds:
+        for layout in args.layouts:
+          for rate in args.rates:
+            for label, algorithm, overrides in cases:
+              with tempfile.TemporaryDirectory() as workdir:
+                row = run(layout, rate, algorithm, overrides, seed, args, workdir)
+              row.update(case=label, repeat=repeat, overrides=overrides)
+              rows.append(row)
+              print(json.dumps(row), flush=True)
+              write(args, rows, table=None)  # so far, in case the run is stopped
+  except KeyboardInterrupt:  # Ctrl-C: the table of the runs that finished, then stop
+    stopped = True
+    print(f"\nstopped after {len(rows)} runs; the table holds those", file=sys.stderr)
 
   def median(values):
     values = [v for v in values if v is not None]
@@ -118,6 +139,8 @@ def main() -> None:
     for rate in args.rates:
       for label, _, _ in cases:
         mine = [r for r in rows if (r["layout"], r["rate"], r["case"]) == (layout, rate, label)]
+        if not mine:  # not run: the bench was stopped first
+          continue
         failed = [r["failed"] for r in mine if "failed" in r]
         mine = [r for r in mine if "failed" not in r]
         table.append({"layout": layout, "rate": rate, "case": label, "failed": failed,
@@ -139,15 +162,18 @@ def main() -> None:
           f"{fmt(t['counted_bytes_per_iteration'] and t['counted_bytes_per_iteration'] / 1e3, '.1f')} | "
           f"{fmt(t['link_bytes_per_iteration'] and t['link_bytes_per_iteration'] / 1e3, '.1f')} | "
           f"{fmt(t['send_latency_ms'], '.0f')} / {fmt(t['send_latency_p90_ms'], '.0f')} |")
-  write(args, rows, table)
+  write(args, rows, table, stopped)
+  if stopped:
+    sys.exit(130)
   failures = [r for r in rows if "failed" in r]
   if failures:
     sys.exit(f"{len(failures)} of {len(rows)} runs failed (rows with 'failed' in {args.out})")
 
 
-def write(args, rows: list[dict], table: list[dict] | None) -> None:
+def write(args, rows: list[dict], table: list[dict] | None, stopped: bool = False) -> None:
+  """`table` None: runs still to come; `stopped`: Ctrl-C ended the bench before every run."""
   with open(args.out, "w") as f:
-    json.dump({**provenance.stamp(), "args": vars(args), "table": table,
+    json.dump({**provenance.stamp(), "args": vars(args), "table": table, "stopped": stopped,
                "runs": rows}, f, indent=1)
 
 

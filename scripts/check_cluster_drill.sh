@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks that scripts/cluster_drill.sh leaves nothing behind: after a normal exit, after SIGINT
-# and SIGTERM mid-run, after a failing process, and after a host whose link went down, no layup_host* namespace, layup_* link or
+# and SIGTERM mid-run, after a failing process, after a host whose link went down, and after
+# scripts/bench_cluster.py is interrupted mid-run, no layup_host* namespace, layup_* link or
 # /etc/netns entry remains; it also checks the refusals. The training command is replaced by a
 # stand-in (PYTHON=...) so that the check takes seconds. Needs root.
 #
@@ -70,6 +71,29 @@ ip link set layup_b2 down
 ip netns pids layup_host2 2> /dev/null | xargs -r kill -9
 wait "$pid"; status=$?; [ -e "$work/connected" ] || echo "the stand-in of host 2 never connected"
 check "a host whose link went down, then killed" 137 "$status"
+
+# scripts/bench_cluster.py interrupted mid-run: by a terminal's Ctrl-C (SIGINT to the whole
+# process group, the drill included) and by SIGINT to bench_cluster.py alone. Either way it must
+# let the drill clean up (subprocess.run would SIGKILL the drill 0.25 s after the interrupt,
+# which, interrupted alone, never starts its cleanup) and write the table of what finished.
+bench_python=python3; [ -x .venv/bin/python ] && bench_python=.venv/bin/python
+for target in group process; do
+  rm -f "$work/bench.json"
+  PYTHON="$work/sleeps" "$bench_python" -c 'import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.setsid()
+os.execvp(sys.argv[1], sys.argv[1:])' "$bench_python" scripts/bench_cluster.py --layouts 3x1 \
+    --rates 20mbit --algorithms layup --repeats 1 --out "$work/bench.json" > /dev/null 2>&1 &
+  pid=$!
+  for _ in $(seq 100); do ip netns pids layup_host2 2> /dev/null | grep -q . && break; sleep 0.1; done
+  [ "$target" = group ] && kill -INT -- -"$pid" || kill -INT "$pid"
+  wait "$pid"; status=$?
+  grep -q '"stopped": true' "$work/bench.json" 2> /dev/null || {
+    echo "FAIL bench_cluster.py interrupted ($target): no table marked stopped"
+    failures=$((failures + 1))
+  }
+  check "bench_cluster.py interrupted mid-run ($target)" 130 "$status"
+done
 
 ip netns add layup_host1
 bash scripts/cluster_drill.sh --hosts 2 --devices-per-host 1 -- x 2> "$work/err"; status=$?

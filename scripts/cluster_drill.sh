@@ -59,6 +59,9 @@ fi
 
 [ -d /etc/netns ] && made_etc_netns=0 || made_etc_netns=1
 cleanup() {
+  # A second Ctrl-C (a terminal sends one to every process of the group, and a caller may pass
+  # one on) must not cut the cleanup short.
+  trap '' INT TERM
   for ((k = 0; k < HOSTS; k++)); do
     ns=${NS[$k]}
     ip netns pids "$ns" 2> /dev/null | xargs -r kill -9 2> /dev/null || true

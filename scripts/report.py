@@ -616,7 +616,9 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
                f"{args['eval_every']}; medians of {args['repeats']} alternated repeat(s); "
                f"{bench['measured']}, code {bench['code']}. Each cell: training seconds / final "
                "accuracy. Bytes per device-iteration: counted by the run between processes "
-               "(layup_jax/traffic.py) and carried by the links, at the last rate listed.")]
+               "(layup_jax/traffic.py) and carried by the links, at the last rate listed."
+               + (f" Stopped (Ctrl-C) after {len(bench['runs'])} runs: `-` marks a run not made."
+                  if bench.get("stopped") else ""))]
     for layout in args["layouts"]:
       rates = args["rates"]
       lines += ["", f"**{layout}** (hosts x devices per host)", "",
@@ -627,8 +629,8 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
         for rate in rates:
           row = next((t for t in table if (t["case"], t["layout"], t["rate"]) ==
                       (case, layout, rate)), None)
-          if row is None:
-            cells.append("-")
+          if row is None or row["training_s"] is None:  # not run, or failed
+            cells.append("failed" if row else "-")
             continue
           cells.append(f"{row['training_s']:.1f} / {row['final_accuracy']:.4f}")
           counted = row["counted_bytes_per_iteration"]
