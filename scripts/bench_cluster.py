@@ -24,6 +24,7 @@ Ctrl-C stops the run under way and removes its namespaces before this script sto
 """
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -115,17 +116,14 @@ def main() -> None:
     cases += [(f"{a}:{name}", a, overrides) for a in args.algorithms if a != "ddp"]
   rows, stopped = [], False
   try:
-    for repeat in range(args.repeats):
-      for seed in args.seeds:
-        for layout in args.layouts:
-          for rate in args.rates:
-            for label, algorithm, overrides in cases:
-              with tempfile.TemporaryDirectory() as workdir:
-                row = run(layout, rate, algorithm, overrides, seed, args, workdir)
-              row.update(case=label, repeat=repeat, overrides=overrides)
-              rows.append(row)
-              print(json.dumps(row), flush=True)
-              write(args, rows, table=None)  # so far, in case the run is stopped
+    for repeat, seed, layout, rate, (label, algorithm, overrides) in itertools.product(
+        range(args.repeats), args.seeds, args.layouts, args.rates, cases):
+      with tempfile.TemporaryDirectory() as workdir:
+        row = run(layout, rate, algorithm, overrides, seed, args, workdir)
+      row.update(case=label, repeat=repeat, overrides=overrides)
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+      write(args, rows, table=None)  # so far, in case the run is stopped
   except KeyboardInterrupt:  # Ctrl-C: the table of the runs that finished, then stop
     stopped = True
     print(f"\nstopped after {len(rows)} runs; the table holds those", file=sys.stderr)

@@ -606,7 +606,7 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
   on one layout and rate, several seeds), when they exist."""
   lines = []
   path = results / "hosts_digits.json"
-  if path.exists():
+  if path.exists() and json.loads(path.read_text())["table"] is not None:  # None: still running
     bench = json.loads(path.read_text())
     args, table = bench["args"], bench["table"]
     lines += ["", "### Every algorithm across hosts (digits)", "",
