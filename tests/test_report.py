@@ -199,3 +199,16 @@ def test_the_several_hosts_section_renders_the_cluster_runs_and_decides_its_clai
   assert "does not hold (a seed did not reach the target)" in "\n".join(
       report.several_hosts_tables(tmp_path))
   assert report.several_hosts_tables(tmp_path / "nothing") == []
+  # A bench stopped with Ctrl-C: a run not made is "-", a failed one says so, and the text says
+  # how many runs were made; one still being written (no table yet) is left out.
+  digits.update(stopped=True, runs=[{}] * 3,
+                table=[{**row("ddp", None, None, rate="unshaped"), "failed": ["status 1"]},
+                       row("ddp", 64.6, 0.9805), row("layup", 5.9, 0.9861, rate="unshaped")])
+  (tmp_path / "hosts_digits.json").write_text(json.dumps(digits))
+  text = "\n".join(report.several_hosts_tables(tmp_path))
+  assert "| DDP | failed | 64.6 / 0.9805 |" in text
+  assert "| LayUp | 5.9 / 0.9861 | - |" in text
+  assert "Stopped (Ctrl-C) after 3 runs" in text
+  digits["table"] = None
+  (tmp_path / "hosts_digits.json").write_text(json.dumps(digits))
+  assert "Every algorithm across hosts" not in "\n".join(report.several_hosts_tables(tmp_path))
