@@ -606,8 +606,8 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
   on one layout and rate, several seeds), when they exist."""
   lines = []
   path = results / "hosts_digits.json"
-  if path.exists() and json.loads(path.read_text())["table"] is not None:  # None: still running
-    bench = json.loads(path.read_text())
+  bench = json.loads(path.read_text()) if path.exists() else {"table": None}
+  if bench["table"] is not None:  # None: no bench, or one still running
     args, table = bench["args"], bench["table"]
     lines += ["", "### Every algorithm across hosts (digits)", "",
               (f"`sudo python scripts/bench_cluster.py --algorithms {' '.join(args['algorithms'])} "
