@@ -60,8 +60,10 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
   stats = os.path.join(workdir, "links.json")
   command = ["bash", "scripts/cluster_drill.sh", "--hosts", str(hosts), "--devices-per-host",
              str(per_host), "--stats", stats, *(["--rate", rate] if rate != "unshaped" else []),
-             "--", "--config", args.config, "--workdir", workdir,
-             f"--config.algorithm={algorithm}", f"--config.seed={seed}",
+             # `config.py:algorithm` takes the algorithm's column of the config's table (its
+             # searched lr and warm-up); `--config.algorithm=` would keep the default column's.
+             "--", "--config", f"{args.config}:{algorithm}", "--workdir", workdir,
+             f"--config.seed={seed}",
              *([f"--config.num_steps={args.num_steps}"] if args.num_steps else []),
              *([f"--config.eval_every={args.eval_every}"] if args.eval_every else []),
              "--config.checkpoint.enabled=False",

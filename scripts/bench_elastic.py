@@ -63,7 +63,7 @@ def progress(workdir: pathlib.Path, k: int) -> list[dict]:
 
 def start(args, workdir: pathlib.Path, seed: int) -> tuple[list[subprocess.Popen], list, dict]:
   """The run's processes, their commands and environment."""
-  train = ["--config", args.config, "--workdir", str(workdir), f"--config.algorithm={args.algorithm}",
+  train = ["--config", f"{args.config}:{args.algorithm}", "--workdir", str(workdir),  # its column
            f"--config.seed={seed}", f"--config.num_devices={args.processes * args.devices_per_process}",
            "--config.progress_bar=False",
            *(["--config.checkpoint.enabled=False"] if not args.kill_during_save else

@@ -36,7 +36,7 @@ from layup_jax import provenance
 
 def run(layout: str, algorithm: str, args, workdir: str) -> dict:
   processes, per_process = (int(n) for n in layout.removesuffix("-netns").split("x"))
-  train = ["--config", args.config, "--workdir", workdir, f"--config.algorithm={algorithm}",
+  train = ["--config", f"{args.config}:{algorithm}", "--workdir", workdir,  # its column
            f"--config.num_steps={args.num_steps}", "--config.eval_every=0",
            "--config.checkpoint.enabled=False", "--config.progress_bar=False",
            f"--config.compilation_cache_dir={args.cache}"]
