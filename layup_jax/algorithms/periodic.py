@@ -43,7 +43,10 @@ the pseudo-gradient by a constant `co2_gap_penalty` (default 1; fairseq-CO2 pass
 `--co2-gap-penalty`, default 1), with its clip's result discarded. The correction form is this
 project's: it keeps the overlap the paper describes and converges where restarting does not.
 The penalty is here as that code defines it (`baselines.co2_gap_penalty`, default 1: none), and
-the clip.
+the clip; the LayUp paper's CO2 runs without it too ("the published CO2 implementation does not
+include the penalty gap correction"). Even corrected, the lag costs accuracy: the others'
+progress reaches a device 1-2 periods late, and at tau 12 with momentum 0.9 CO2 collapses at
+learning rates Local SGD trains at (docs/measurements.md, "CO2").
 
 Between outer steps R_b is the consensus.
 
