@@ -642,7 +642,10 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
   path = results / "hosts_fashion_mnist.json"
   if path.exists():
     bench = json.loads(path.read_text())
-    args, runs = bench["args"], bench["runs"]
+    args = bench["args"]
+    runs = [r for r in bench["runs"] if "failed" not in r]
+    failed = len(bench["runs"]) - len(runs)
+    seeds = sorted({r["seed"] for r in runs})
     target = next((o.split("=", 1)[1] for o in args["set"]
                    if o.startswith("metrics.target_accuracy=")), "the config's target")
     lines += ["", "### Time to target across hosts (Fashion-MNIST)", "",
@@ -652,12 +655,16 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
                f"{' '.join(args['rates'])} --seeds {' '.join(map(str, args['seeds']))}"
                + "".join(f" --set {o}" for o in args["set"]) + "`: the config's 3 epochs, "
                f"each method with its own searched lr and warm-up (the main table's), seeds "
-               f"{', '.join(map(str, args['seeds']))}; time to test accuracy {target} "
+               f"{', '.join(map(str, seeds))}; time to test accuracy {target} "
                "(training time, evaluation excluded; every evaluation counted, nothing "
                f"interpolated); mean ± std over seeds; {bench['measured']}, code "
                f"{bench['code']}"
                + (f" ({bench['code_version_note']})" if bench.get("code_version_note") else "")
-               + "."), "",
+               + "."
+               + (f" Stopped (Ctrl-C) after {len(bench['runs'])} runs; no finished run for seed(s) "
+                  + ", ".join(str(s) for s in args["seeds"] if s not in seeds) + "."
+                  if bench.get("stopped") else "")
+               + (f" {failed} run(s) failed and are left out." if failed else "")), "",
               ("| algorithm | layout | link | time to target s | reached | final accuracy | "
                "samples/s | counted kB/it |"), "|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple, list[dict]] = {}

@@ -212,3 +212,16 @@ def test_the_several_hosts_section_renders_the_cluster_runs_and_decides_its_clai
   digits["table"] = None
   (tmp_path / "hosts_digits.json").write_text(json.dumps(digits))
   assert "Every algorithm across hosts" not in "\n".join(report.several_hosts_tables(tmp_path))
+  # The time-to-target bench stopped after seed 0, with one run failed: the text names the
+  # seeds run and not run, the failed run is left out, and the table has seed 0's runs only.
+  fashion.update(stopped=True, runs=[row("ddp", 600, 0.912, 500.0),
+                                     row("layup", 200, 0.910, 300.0),
+                                     {"case": "ddp", "layout": "2x4", "rate": "20mbit",
+                                      "seed": 1, "failed": "status 1: error"}])
+  fashion["args"]["seeds"] = [0, 1, 2]
+  (tmp_path / "hosts_fashion_mnist.json").write_text(json.dumps(fashion))
+  text = "\n".join(report.several_hosts_tables(tmp_path))
+  assert "--seeds 0 1 2" in text and "seeds 0; time to test accuracy" in text
+  assert "Stopped (Ctrl-C) after 3 runs; no finished run for seed(s) 1, 2." in text
+  assert "1 run(s) failed and are left out." in text
+  assert "| DDP | 2x4 | 20mbit | 500 | 1/1 | 0.912 |" in text
