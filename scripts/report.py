@@ -646,6 +646,7 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
     runs = [r for r in bench["runs"] if "failed" not in r]
     failed = len(bench["runs"]) - len(runs)
     seeds = sorted({r["seed"] for r in runs})
+    missing = [str(s) for s in args["seeds"] if s not in seeds]
     target = next((o.split("=", 1)[1] for o in args["set"]
                    if o.startswith("metrics.target_accuracy=")), "the config's target")
     lines += ["", "### Time to target across hosts (Fashion-MNIST)", "",
@@ -661,8 +662,8 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
                f"{bench['code']}"
                + (f" ({bench['code_version_note']})" if bench.get("code_version_note") else "")
                + "."
-               + (f" Stopped (Ctrl-C) after {len(bench['runs'])} runs; no finished run for seed(s) "
-                  + ", ".join(str(s) for s in args["seeds"] if s not in seeds) + "."
+               + (f" Stopped (Ctrl-C) after {len(bench['runs'])} runs"
+                  + (f"; no finished run for seed(s) {', '.join(missing)}" if missing else "") + "."
                   if bench.get("stopped") else "")
                + (f" {failed} run(s) failed and are left out." if failed else "")), "",
               ("| algorithm | layout | link | time to target s | reached | final accuracy | "
