@@ -100,6 +100,12 @@ bash scripts/cluster_drill.sh --hosts 2 --devices-per-host 1 -- x 2> "$work/err"
 ip netns del layup_host1
 grep -q "namespace layup_host1 exists" "$work/err" && check "refused: namespace exists" 2 $status \
   || { echo "FAIL refused: namespace exists: $(cat "$work/err")"; failures=$((failures + 1)); }
+ip link add layup_h1 type veth peer name layup_x1  # a veth end a killed drill left behind
+bash scripts/cluster_drill.sh --hosts 2 --devices-per-host 1 -- x 2> "$work/err"; status=$?
+ip link del layup_h1 2> /dev/null
+grep -q "link layup_h1 exists" "$work/err" && check "refused: a veth end exists" 2 $status \
+  || { echo "FAIL refused: a veth end exists: $(cat "$work/err")"; failures=$((failures + 1)); }
+ip link show layup_br > /dev/null 2>&1 && { echo "FAIL refused drill left its bridge"; failures=$((failures + 1)); }
 bash scripts/cluster_drill.sh --hosts 1 --devices-per-host 1 -- x 2> /dev/null; check "refused: one host" 2 $?
 [ "$failures" = 0 ] && echo "cluster_drill.sh: every check passed" || echo "cluster_drill.sh: $failures failed"
 exit $((failures > 0))

@@ -56,6 +56,17 @@ if ip link show "$BRIDGE" > /dev/null 2>&1; then
   echo "error: bridge $BRIDGE exists (a drill still running, or left over: ip link del $BRIDGE)" >&2
   exit 2
 fi
+# A veth end can outlive its drill by a moment: the kernel tears a deleted namespace's devices
+# down asynchronously (a drill started a minute after one was killed met "RTNETLINK answers:
+# File exists" here, 2026-11-27).
+for ((k = 0; k < HOSTS; k++)); do
+  for link in "layup_h$k" "layup_b$k"; do
+    if ip link show "$link" > /dev/null 2>&1; then
+      echo "error: link $link exists (a drill still running, or left over: ip link del $link)" >&2
+      exit 2
+    fi
+  done
+done
 
 [ -d /etc/netns ] && made_etc_netns=0 || made_etc_netns=1
 cleanup() {
