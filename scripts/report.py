@@ -614,7 +614,9 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
                f"--layouts {' '.join(args['layouts'])} --rates {' '.join(args['rates'])} "
                f"--repeats {args['repeats']}`: {args['num_steps']} steps, evaluation every "
                f"{args['eval_every']}; medians of {args['repeats']} alternated repeat(s); "
-               f"{bench['measured']}, code {bench['code']}. Each cell: training seconds / final "
+               f"{bench['measured']}, code {bench['code']}"
+               + (f" ({bench['code_version_note']})" if bench.get("code_version_note") else "")
+               + ". Each cell: training seconds / final "
                "accuracy. Bytes per device-iteration: counted by the run between processes "
                "(layup_jax/traffic.py) and carried by the links, at the last rate listed."
                + (f" Stopped (Ctrl-C) after {len(bench['runs'])} runs: `-` marks a run not made."

@@ -199,6 +199,11 @@ def test_the_several_hosts_section_renders_the_cluster_runs_and_decides_its_clai
   assert "does not hold (a seed did not reach the target)" in "\n".join(
       report.several_hosts_tables(tmp_path))
   assert report.several_hosts_tables(tmp_path / "nothing") == []
+  # A note on the code or settings a table ran at (e.g. defaults changed since) is printed.
+  digits["code_version_note"] = "gossip at the defaults of then: remote peers 1 in 20"
+  (tmp_path / "hosts_digits.json").write_text(json.dumps(digits))
+  assert "code abc1234 (gossip at the defaults of then: remote peers 1 in 20). Each cell" in (
+      "\n".join(report.several_hosts_tables(tmp_path)))
   # A bench stopped with Ctrl-C: a run not made is "-", a failed one says so, and the text says
   # how many runs were made; one still being written (no table yet) is left out.
   digits.update(stopped=True, runs=[{}] * 3,
