@@ -45,9 +45,9 @@ class RuntimeOptions:
   straggler_delay_iters: float = 0.0
   straggler_mode: str = "host"
   transfer_host: str = ""
-  remote_peer_probability: float = 0.05
+  remote_peer_probability: float = 0.2
   max_remote_backlog: int = 4
-  compression: str = "none"
+  compression: str = "int8"
 
   def __post_init__(self):
     for name, choices in (("bn_policy", BN_POLICIES), ("push_sum", PUSH_SUM),

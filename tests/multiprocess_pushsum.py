@@ -63,8 +63,10 @@ def main() -> None:
   runtime.compile()
   runtime.run_until(runtime.num_devices * int(iterations), lambda _: None)
   center, spread_after = average_and_spread()
+  # LayUp's and GoSGD's sends are compressed; AD-PSGD's pairwise averages always travel exact.
+  compressed = compressor is not None and algorithm != "adpsgd"
   drift = None
-  if compressor is not None:  # the run's residuals (every process's) against the average
+  if compressed:  # the run's residuals (every process's) against the average
     from layup_jax import distributed
 
     every = distributed.all_gather_pickled(held)
@@ -74,7 +76,7 @@ def main() -> None:
   per_device = runtime.stats.iterations_per_device()
   crossed = sum(jax.tree.leaves(distributed_sends(runtime)))
   sent = runtime.stats.bytes_between_processes()  # every process's, as of the last collect
-  templates = (compressor.wire_templates if compressor is not None else
+  templates = (compressor.wire_templates if compressed else
                [runtime.store.part_template(s) for s in range(runtime.num_stages)])
   stage_bytes = [traffic.tree_bytes(jax.tree.leaves(t)) for t in templates]
   float32_bytes = [traffic.tree_bytes(jax.tree.leaves(runtime.store.part_template(s)))

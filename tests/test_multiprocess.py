@@ -275,7 +275,7 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
 
 
 @pytest.mark.parametrize(("algorithm", "options"), [
-    ("layup", []), ("adpsgd", []),
+    ("layup", ["compression='none'"]), ("adpsgd", []),
     ("layup", ["remote_peer_probability=0.9", "max_remote_backlog=1"]),
     ("layup", ["remote_peer_probability=0.9", "compression='int8'"])])
 def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm, options):
@@ -285,10 +285,12 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   between the processes; AD-PSGD's pairwise averages too) moves the replicas toward their
   average and must not move the average itself
   (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.send_halved`).
-  The same holds with peers chosen by process (9 in 10 on the other) and the sends beyond one
-  unmerged there rerouted to a device of the sender's process, and with the sends between
-  processes compressed to int8: the weights exact, the mass the error feedback held back
-  returned at the end (the average's drift before it was, reported, is the compression's)."""
+  LayUp's first case sends exactly (`compression='none'`), its others with the default int8
+  sends between processes (AD-PSGD's pairwise averages are not compressed). The same holds
+  with peers chosen by process (9 in 10 on the other) and the sends beyond one unmerged there
+  rerouted to a device of the sender's process, and with the sends between processes
+  compressed: the weights exact, the mass the error feedback held back returned at the end
+  (the average's drift before it was, reported, is the compression's)."""
   port, script = free_port(), ROOT / "tests" / "multiprocess_pushsum.py"
   processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), algorithm,
                                  "150", *options], cwd=ROOT, env=environment(2), stdout=subprocess.PIPE,
