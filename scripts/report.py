@@ -600,6 +600,12 @@ def device_straggler_table(results: pathlib.Path) -> list[str]:
   return lines
 
 
+def bench_stamp(bench: dict) -> str:
+  """When, where and at which code a bench's JSON was measured, with its note if it has one."""
+  note = bench.get("code_version_note")
+  return f"{bench['measured']}, code {bench['code']}" + (f" ({note})" if note else "")
+
+
 def several_hosts_tables(results: pathlib.Path) -> list[str]:
   """The section "Several hosts" from `scripts/bench_cluster.py`'s JSON: `hosts_digits.json`
   (every algorithm, each layout and link rate) and `hosts_fashion_mnist.json` (time to target
@@ -614,9 +620,7 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
                f"--layouts {' '.join(args['layouts'])} --rates {' '.join(args['rates'])} "
                f"--repeats {args['repeats']}`: {args['num_steps']} steps, evaluation every "
                f"{args['eval_every']}; medians of {args['repeats']} alternated repeat(s); "
-               f"{bench['measured']}, code {bench['code']}"
-               + (f" ({bench['code_version_note']})" if bench.get("code_version_note") else "")
-               + ". Each cell: training seconds / final "
+               f"{bench_stamp(bench)}. Each cell: training seconds / final "
                "accuracy. Bytes per device-iteration: counted by the run between processes "
                "(layup_jax/traffic.py) and carried by the links, at the last rate listed."
                + (f" Stopped (Ctrl-C) after {len(bench['runs'])} runs: `-` marks a run not made."
@@ -660,10 +664,7 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
                f"each method with its own searched lr and warm-up (the main table's), seeds "
                f"{', '.join(map(str, seeds))}; time to test accuracy {target} "
                "(training time, evaluation excluded; every evaluation counted, nothing "
-               f"interpolated); mean ± std over seeds; {bench['measured']}, code "
-               f"{bench['code']}"
-               + (f" ({bench['code_version_note']})" if bench.get("code_version_note") else "")
-               + "."
+               f"interpolated); mean ± std over seeds; {bench_stamp(bench)}."
                + (f" Stopped (Ctrl-C) after {len(bench['runs'])} runs"
                   + (f"; no finished run for seed(s) {', '.join(missing)}" if missing else "") + "."
                   if bench.get("stopped") else "")
