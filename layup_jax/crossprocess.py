@@ -114,21 +114,21 @@ class RemotePeers:
                merge: Callable[[int, int, PyTree, float], None],
                read: Callable[[int, int], PyTree],
                correct: Callable[[int, int, PyTree, PyTree], None], host: str = "",
-               max_in_flight: int = 64, sent: traffic.BytesSent | None = None,
-               compressor: Any = None):
+               max_in_flight: int = 64, sent: traffic.BytesSent | None = None):
     """`process_of[g]`: the process of global device g; this process drives devices
     `first .. first + count - 1` (store indices 0 .. count - 1). `part_template(s)`: the
     pytree of ShapeDtypeStructs of what a send of stage s carries; `merge(j, s, received,
     amount)`: the store's merge into local device j; `read(j, s)` and `correct(j, s, before,
     other)`: the store's reads and pairwise-average corrections (AD-PSGD); `sent` counts the
-    bytes of every offer (each is pulled once, by another process); `compressor`
-    (layup_jax/compression.py) decodes compressed sends."""
+    bytes of every offer (each is pulled once, by another process). `compressor`
+    (layup_jax/compression.py), set before the run when sends travel compressed, decodes
+    them."""
     self._client = compat.coordination_client()
     self._me, self._process_of = jax.process_index(), list(process_of)
     self._first, self._count = first, count
     self._template, self._device_of, self._merge = part_template, device_of, merge
     self._read, self._correct = read, correct
-    self._compressor = compressor
+    self.compressor: Any = None
     self.max_in_flight = max_in_flight
     self.sent = sent if sent is not None else traffic.BytesSent()
     self._server = start_server(transfer_host(host), count)
@@ -334,7 +334,7 @@ class RemotePeers:
   def _pull(self, source: int, uuid: int, j: int, s: int, encoded: bool = False) -> PyTree:
     """An announced offer of stage s from process `source`, onto local device j (as it
     travelled: compressed if `encoded`)."""
-    template = self._compressor.wire_templates[s] if encoded else self._template(s)
+    template = self.compressor.wire_templates[s] if encoded else self._template(s)
     sharding = jax.sharding.SingleDeviceSharding(self._device_of(j))
     specs = [jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sharding)
              for t in jax.tree.leaves(template)]
@@ -346,7 +346,7 @@ class RemotePeers:
     j, s = notice["peer"] - self._first, notice["stage"]
     received = self._arrived(source, self._pull(source, notice["uuid"], j, s, notice["encoded"]))
     if notice["encoded"]:
-      received = self._compressor.decode(s, received)
+      received = self.compressor.decode(s, received)
     self._merge(j, s, received, float(notice["amount"]))
     self.latencies.append(time.time() - notice["offered_at"])
 

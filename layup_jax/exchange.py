@@ -177,9 +177,15 @@ class Exchange(Protocol):
   run up to a period ahead, so an evaluation or checkpoint fell at iterations that differed
   between devices from run to run (a record's loss moved by 0.2 %), and across processes one
   process could start a period's all-reduce that another had not reached at a checkpoint.
+
+  `sends_stages`: the exchange pushes stages to peers through the outboxes (push-sum sends:
+  LayUp, GoSGD). Only such sends are compressed between processes (`distributed.compression`);
+  the others (AD-PSGD's pairwise averages, the periodic baselines' all-reduces) travel as they
+  are, so a run of theirs builds no compressor.
   """
 
   fuses_local_step: bool
+  sends_stages: bool
   schedule_by_own_iteration: bool
   equal_shares: bool
   state: ExchangeState | None
@@ -205,6 +211,7 @@ class Hooks:
   replicas. Fused local steps by default: an exchange whose update must wait says so."""
 
   fuses_local_step = True
+  sends_stages = False
   schedule_by_own_iteration = False
   equal_shares = False
   state: ExchangeState | None = None

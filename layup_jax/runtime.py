@@ -79,8 +79,7 @@ class AsyncRuntime:
     self.threads = Threads(on_failure=lambda: self._budget.close())
     stopped = self.threads.stopped
     self.transport = Transport(self.store, self.first, self.total_devices,
-                               options.transfer_host, stopped, options.max_remote_backlog,
-                               options.compression)
+                               options.transfer_host, stopped, options.max_remote_backlog)
     self.across_processes = self.transport.across_processes
     self.elastic = Elastic(self)  # an elastic run trains on when a process is lost
     if self.across_processes:
@@ -89,6 +88,8 @@ class AsyncRuntime:
                             options.max_sends_in_flight) for i in range(self.num_devices)]
     self.exchange = make_exchange(Links(self.store, self.outboxes, self.peers, options,
                                         stopped, self.run_devices, self.transport))
+    if self.exchange.sends_stages:  # only pushed stages are compressed between processes
+      self.transport.compress_sends(options.compression)
     self.fuses_local_step = self.exchange.fuses_local_step and options.fuse_local_step
     self.store.defer_merges = self.fuses_local_step
     self.clocks = [IterationClock(options.delay_of(i), options.straggler_mode, device)

@@ -30,8 +30,8 @@ sends are never rerouted.)
 `Transport`: a send of a computed stage (`send`) or AD-PSGD's pairwise average (`average`) to a
 device of this process is a copy to its device and an atomic write of the replica store; to a
 device of another process it goes through that process (layup_jax/crossprocess.py), which merges
-it or answers with its half. With `compression_codec` a send to another process travels
-compressed, with error feedback (layup_jax/compression.py): encoded when it is posted, so that
+it or answers with its half. After `compress_sends` (a runtime whose exchange pushes stages,
+`Exchange.sends_stages`) a send to another process travels compressed, with error feedback (layup_jax/compression.py): encoded when it is posted, so that
 the compressed stage is computed right after the stage, the mass it held back returned at each
 consistent point (`settle`); AD-PSGD's pairwise averages travel as they are. The outboxes and
 the algorithms call this interface only; the runtime runs its receiver loops (`loops`) and, at a
@@ -60,11 +60,9 @@ class Transport:
   `first .. first + store.num_devices - 1`)."""
 
   def __init__(self, store: ReplicaStore, first: int, total_devices: int, transfer_host: str,
-               stopped: Callable[[], bool], max_remote_backlog: int = 0,
-               compression_codec: str = "none"):
+               stopped: Callable[[], bool], max_remote_backlog: int = 0):
     """`max_remote_backlog`: from how many unmerged sends to one other process a send there
-    goes to a device of this process instead (`backlogged`; 0: never). `compression_codec`:
-    how sends to other processes travel (layup_jax/compression.py; "none": as they are)."""
+    goes to a device of this process instead (`backlogged`; 0: never)."""
     self._store, self._first, self._stopped = store, first, stopped
     self.max_remote_backlog = max_remote_backlog
     self.rerouted = 0  # sends that went to a device of this process instead of a backlogged one
@@ -73,19 +71,25 @@ class Transport:
     # averages (counted by them, `traffic.compiled_share`).
     self.sent = BytesSent()
     if store.num_devices < total_devices:  # a run across processes
-      if compression_codec != "none":
-        self.compressor = compression.Compressor(
-            compression_codec, [store.part_template(s) for s in range(store.num_stages)],
-            [store.device(j) for j in range(store.num_devices)])
       self._remote = crossprocess.RemotePeers(
           [d.process_index for d in jax.devices()[:total_devices]], first, store.num_devices,
           store.part_template, store.device,
           lambda j, s, received, amount: store.merge(j, s, received, amount, True),
           lambda j, s: store.take(j, s, halve=False)[0], store.correct_toward,
-          host=transfer_host, sent=self.sent, compressor=self.compressor)
+          host=transfer_host, sent=self.sent)
     self.across_processes = self._remote is not None
     # Seconds from offer to merge of each send from another process (None in one process).
     self.latencies = self._remote.latencies if self._remote is not None else None
+
+  def compress_sends(self, codec: str) -> None:
+    """Sends to other processes travel as `codec` from now on (layup_jax/compression.py;
+    "none", or a run in one process: as they are). Called once, before the run."""
+    if self._remote is None or codec == "none":
+      return
+    store = self._store
+    self.compressor = self._remote.compressor = compression.Compressor(
+        codec, [store.part_template(s) for s in range(store.num_stages)],
+        [store.device(j) for j in range(store.num_devices)])
 
   def backlogged(self, peer: int) -> bool:
     """Whether `peer` is another process's device to whose process `max_remote_backlog` sends

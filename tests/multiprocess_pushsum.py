@@ -63,8 +63,9 @@ def main() -> None:
   runtime.compile()
   runtime.run_until(runtime.num_devices * int(iterations), lambda _: None)
   center, spread_after = average_and_spread()
-  # LayUp's and GoSGD's sends are compressed; AD-PSGD's pairwise averages always travel exact.
-  compressed = compressor is not None and algorithm != "adpsgd"
+  # LayUp's and GoSGD's sends are compressed; AD-PSGD's pairwise averages travel exact, and its
+  # runs build no compressor (`Exchange.sends_stages`).
+  compressed = compressor is not None
   drift = None
   if compressed:  # the run's residuals (every process's) against the average
     from layup_jax import distributed
@@ -88,7 +89,8 @@ def main() -> None:
                       "spread_after": spread_after, "iterations": per_device,
                       "sends_between_processes": crossed, "bytes_between_processes": sent,
                       "stage_bytes": stage_bytes, "rerouted": runtime.transport.rerouted,
-                      "stage_bytes_float32": float32_bytes, "compression_drift": drift}),
+                      "stage_bytes_float32": float32_bytes, "compression_drift": drift,
+                      "codec": compressor.codec if compressed else None}),
           flush=True)
 
 

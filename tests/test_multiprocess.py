@@ -286,7 +286,8 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   average and must not move the average itself
   (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.send_halved`).
   LayUp's first case sends exactly (`compression='none'`), its others with the default int8
-  sends between processes (AD-PSGD's pairwise averages are not compressed). The same holds
+  sends between processes (AD-PSGD's pairwise averages are not compressed: its run, at the
+  default int8, builds no compressor). The same holds
   with peers chosen by process (9 in 10 on the other) and the sends beyond one unmerged there
   rerouted to a device of the sender's process, and with the sends between processes
   compressed: the weights exact, the mass the error feedback held back returned at the end
@@ -316,6 +317,8 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   each_way = {"layup": 1, "adpsgd": 2}[algorithm] * result["sends_between_processes"]
   sizes = result["stage_bytes"]
   assert min(sizes) * each_way <= result["bytes_between_processes"] <= max(sizes) * each_way
+  assert result["codec"] == {"layup": None if "compression='none'" in options else "int8",
+                             "adpsgd": None}[algorithm]
   if "max_remote_backlog=1" in options:  # the bound held back sends that would have crossed
     assert result["rerouted"] > 0
   if result["compression_drift"] is not None:  # int8: a quarter of float32's bytes, and scales

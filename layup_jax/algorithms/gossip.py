@@ -25,6 +25,8 @@ class GoSGD(Hooks):
   """Local steps stage by stage; after the last, the whole model pushed to one peer, stage by
   stage, with push-sum weights."""
 
+  sends_stages = True
+
   def end(self, i: int, context):
     j = self.peers.pick(i)
     if j is None:

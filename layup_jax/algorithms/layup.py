@@ -44,6 +44,7 @@ class LayUp(Hooks):
   # takes: `on_stage` then finds it applied (`local_step` with grads None).
   # `layup.fuse_local_step=False` applies it here instead, from the gradient.
   fuses_local_step = True
+  sends_stages = True  # its sends to other processes are compressed (`Exchange.sends_stages`)
 
   def begin(self, i: int) -> Iteration:
     j = self.peers.pick(i)
