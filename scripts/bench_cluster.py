@@ -7,6 +7,8 @@ counted between processes per device-iteration (layup_jax/traffic.py: gossip's s
 a collective's bandwidth-optimal share) and the bytes the hosts' links carried per
 device-iteration (the interfaces' counters: everything, collectives as gloo runs them, the
 coordination service, evaluation's gathers), and the median send latency between processes.
+Each run's row in the JSON also keeps device 0's own final accuracy and the replicas' final
+consensus distance.
 
   sudo python scripts/bench_cluster.py --layouts 2x4 --rates unshaped 20mbit \\
       --algorithms ddp layup --repeats 3 --out cluster.json
@@ -85,6 +87,10 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
   return {"layout": layout, "rate": rate, "algorithm": algorithm, "seed": seed,
           "training_s": summary["wall_time_s"], "samples_per_s": summary["train_samples_per_s"],
           "final_accuracy": summary["final_eval_accuracy"],
+          # Device 0's own replica, and how far the replicas are from their average at the
+          # end: whether an accuracy short of DDP's is the average's or every replica's.
+          "device0_accuracy": summary.get("final_device0_accuracy"),
+          "consensus_distance": summary.get("consensus_distance"),
           "time_to_target_s": summary.get("time_to_target_s"),
           "stopped_at_target": summary.get("stopped_at_target", False),
           "counted_bytes_per_iteration":

@@ -641,7 +641,7 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
           cells.append(f"{row['training_s']:.1f} / {row['final_accuracy']:.4f}")
           counted = row["counted_bytes_per_iteration"]
           link = row["link_bytes_per_iteration"]
-        name = NAMES.get(case, case)
+        name = case_name(case)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | "
                      f"{'-' if counted is None else f'{counted / 1e3:.1f}'} | "
                      f"{'-' if link is None else f'{link / 1e3:.1f}'} |")
@@ -660,6 +660,7 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
                f"{args['num_steps']} --eval-every {args['eval_every']} --algorithms "
                f"{' '.join(args['algorithms'])} --layouts {' '.join(args['layouts'])} --rates "
                f"{' '.join(args['rates'])} --seeds {' '.join(map(str, args['seeds']))}"
+               + "".join(f' --variant "{v}"' for v in args.get("variant", []))
                + "".join(f" --set {o}" for o in args["set"]) + "`: the config's 3 epochs, "
                f"each method with its own searched lr and warm-up (the main table's), seeds "
                f"{', '.join(map(str, seeds))}; time to test accuracy {target} "
@@ -679,7 +680,7 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
       counted = [r["counted_bytes_per_iteration"] for r in group
                  if r["counted_bytes_per_iteration"] is not None]
       lines.append(
-          f"| {NAMES.get(case, case)} | {layout} | {rate} | {mean_std(reached, 3)} | "
+          f"| {case_name(case)} | {layout} | {rate} | {mean_std(reached, 3)} | "
           f"{len(reached)}/{len(group)} | {mean_std([r['final_accuracy'] for r in group])} | "
           f"{mean_std([r['samples_per_s'] for r in group], 4)} | "
           f"{mean_std([c / 1e3 for c in counted], 3)} |")
@@ -693,14 +694,22 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
             "link\").")] + lines)
 
 
+def case_name(case: str) -> str:
+  """A bench_cluster case as the tables name it: "LayUp", or "LayUp (int8)" for the variant
+  `layup:int8` (`--variant "int8 ..."`, run beside the plain algorithm)."""
+  algorithm, _, variant = case.partition(":")
+  name = NAMES.get(algorithm, algorithm)
+  return f"{name} ({variant})" if variant else name
+
+
 def hosts_claim(groups: dict[tuple, list[dict]]) -> list[str]:
-  """The claim row: across hosts on the slowest link measured, LayUp's mean time to target
-  is at most 0.67 of DDP's with its mean final accuracy at least DDP's - 0.005, every seed of
-  both reaching the target."""
+  """The claim row, for LayUp and each LayUp variant run: across hosts on the slowest link
+  measured, LayUp's mean time to target is at most 0.67 of DDP's with its mean final accuracy
+  at least DDP's - 0.005, every seed of both reaching the target."""
   rows = []
   for (case, layout, rate), layup in groups.items():
     ddp = groups.get(("ddp", layout, rate))
-    if case != "layup" or not ddp:
+    if case.partition(":")[0] != "layup" or not ddp:
       continue
     times = [[r["time_to_target_s"] for r in g] for g in (layup, ddp)]
     accuracy = [statistics.mean(r["final_accuracy"] for r in g) for g in (layup, ddp)]
@@ -710,8 +719,8 @@ def hosts_claim(groups: dict[tuple, list[dict]]) -> list[str]:
       ratio = statistics.mean(times[0]) / statistics.mean(times[1])
       holds = ("holds" if ratio <= 0.67 and accuracy[0] >= accuracy[1] - 0.005
                else "does not hold")
-    rows.append(f"| across hosts ({layout}, {rate} links) LayUp reaches the target sooner than "
-                f"DDP (time <= 0.67x, accuracy >= DDP's - 0.005) | "
+    rows.append(f"| across hosts ({layout}, {rate} links) {case_name(case)} reaches the target "
+                f"sooner than DDP (time <= 0.67x, accuracy >= DDP's - 0.005) | "
                 f"{'-' if ratio is None else f'{ratio:.3f}'} | {accuracy[0]:.4f} vs "
                 f"{accuracy[1]:.4f} | {holds} |")
   if not rows:

@@ -199,6 +199,20 @@ def test_the_several_hosts_section_renders_the_cluster_runs_and_decides_its_clai
   assert "does not hold (a seed did not reach the target)" in "\n".join(
       report.several_hosts_tables(tmp_path))
   assert report.several_hosts_tables(tmp_path / "nothing") == []
+  # A variant run beside the plain algorithm (`--variant "int8 ..."`) has its own table row and
+  # claim row, named after it, and the command shows it.
+  fashion["args"]["variant"] = ["int8 distributed.compression=int8"]
+  fashion["runs"] += [row("layup:int8", 200, 0.901, 300.0), row("layup:int8", 210, 0.903, 340.0,
+                                                                  seed=1)]
+  (tmp_path / "hosts_fashion_mnist.json").write_text(json.dumps(fashion))
+  text = "\n".join(report.several_hosts_tables(tmp_path))
+  assert '--variant "int8 distributed.compression=int8"' in text
+  assert "| LayUp (int8) | 2x4 | 20mbit | 320 ± 28 | 2/2 | 0.902 ± 0.0014 |" in text
+  assert ("| across hosts (2x4, 20mbit links) LayUp (int8) reaches the target sooner than DDP "
+          "(time <= 0.67x, accuracy >= DDP's - 0.005) | 0.627 | 0.9020 vs 0.9130 | "
+          "does not hold |") in text
+  fashion["args"].pop("variant")
+  fashion["runs"] = fashion["runs"][:4]
   # A note on the code or settings a table ran at (e.g. defaults changed since) is printed.
   digits["code_version_note"] = "gossip at the defaults of then: remote peers 1 in 20"
   (tmp_path / "hosts_digits.json").write_text(json.dumps(digits))
@@ -230,3 +244,45 @@ def test_the_several_hosts_section_renders_the_cluster_runs_and_decides_its_clai
   assert "Stopped (Ctrl-C) after 3 runs; no finished run for seed(s) 1, 2." in text
   assert "1 run(s) failed and are left out." in text
   assert "| DDP | 2x4 | 20mbit | 500 | 1/1 | 0.912 |" in text
+
+
+def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
+  """bench_cluster's row of one run: from the drill's summary.json and link counters, device
+  0's own accuracy and the consensus distance beside the average's accuracy (to tell an
+  average short of DDP's from every replica short of it), bytes per device-iteration; a drill
+  that fails is a row saying so, with its last line."""
+  import argparse
+  import subprocess
+
+  bench = _script("bench_cluster")
+  commands = []
+
+  def drill(command, status=0):
+    commands.append(command)
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "num_steps": 10, "num_devices": 8, "wall_time_s": 4.0, "train_samples_per_s": 640.0,
+        "final_eval_accuracy": 0.9, "final_device0_accuracy": 0.85, "consensus_distance": 2e-3,
+        "time_to_target_s": None, "bytes_between_processes_per_device_iteration": 1000.0,
+        "remote_send_latency_ms": {"median": 20.0, "p90": 50.0}}))
+    (tmp_path / "links.json").write_text(json.dumps(
+        {"links": [{"tx_bytes": 4000}, {"tx_bytes": 4000}]}))
+    return subprocess.CompletedProcess(command, status, "", "" if not status else "x\nboom")
+
+  bench.run_drill = drill
+  args = argparse.Namespace(config="configs/digits.py", num_steps=10, eval_every=0,
+                            set=["distributed.compression=int8"], cache=str(tmp_path / "cc"))
+  row = bench.run("2x4", "20mbit", "layup", ["distributed.remote_peer_probability=0.5"], 3,
+                  args, str(tmp_path))
+  command = commands[-1]
+  assert command[command.index("--rate") + 1] == "20mbit"
+  assert "configs/digits.py:layup" in command and "--config.seed=3" in command
+  assert command[-2:] == ["--config.distributed.compression=int8",
+                          "--config.distributed.remote_peer_probability=0.5"]
+  assert (row["final_accuracy"], row["device0_accuracy"], row["consensus_distance"]) == (
+      0.9, 0.85, 2e-3)
+  assert row["link_bytes_per_iteration"] == 100.0  # 8,000 bytes over 10 steps x 8 devices
+  assert (row["send_latency_ms"], row["counted_bytes_per_iteration"]) == (20.0, 1000.0)
+  bench.run_drill = lambda command: drill(command, status=1)
+  row = bench.run("2x4", "unshaped", "ddp", [], 0, args, str(tmp_path))
+  assert "--rate" not in commands[-1]
+  assert row["failed"] == "status 1: boom"
