@@ -31,11 +31,12 @@ sends are never rerouted.)
 device of this process is a copy to its device and an atomic write of the replica store; to a
 device of another process it goes through that process (layup_jax/crossprocess.py), which merges
 it or answers with its half. After `compress_sends` (a runtime whose exchange pushes stages,
-`Exchange.sends_stages`) a send to another process travels compressed, with error feedback (layup_jax/compression.py): encoded when it is posted, so that
-the compressed stage is computed right after the stage, the mass it held back returned at each
-consistent point (`settle`); AD-PSGD's pairwise averages travel as they are. The outboxes and
-the algorithms call this interface only; the runtime runs its receiver loops (`loops`) and, at a
-consistent point, waits until every send to another process has been merged there (`quiesce`).
+`Exchange.sends_stages`) a send to another process travels compressed, with error feedback
+(layup_jax/compression.py): encoded when it is posted, so that the compressed stage is computed
+right after the stage, the mass it held back returned at each consistent point (`settle`);
+AD-PSGD's pairwise averages travel as they are. The outboxes and the algorithms call this
+interface only; the runtime runs its receiver loops (`loops`) and, at a consistent point, waits
+until every send to another process has been merged there (`quiesce`).
 """
 
 import collections
@@ -66,7 +67,7 @@ class Transport:
     self._store, self._first, self._stopped = store, first, stopped
     self.max_remote_backlog = max_remote_backlog
     self.rerouted = 0  # sends that went to a device of this process instead of a backlogged one
-    self._remote = self.compressor = None
+    self._remote = None
     # What this process sends to other processes: its gossip, and the periodic algorithms'
     # averages (counted by them, `traffic.compiled_share`).
     self.sent = BytesSent()
@@ -87,9 +88,15 @@ class Transport:
     if self._remote is None or codec == "none":
       return
     store = self._store
-    self.compressor = self._remote.compressor = compression.Compressor(
+    self._remote.compressor = compression.Compressor(
         codec, [store.part_template(s) for s in range(store.num_stages)],
         [store.device(j) for j in range(store.num_devices)])
+
+  @property
+  def compressor(self) -> compression.Compressor | None:
+    """The codec and residuals of compressed sends (`compress_sends`), kept where they are
+    decoded (layup_jax/crossprocess.py); None when sends travel as they are."""
+    return self._remote.compressor if self._remote is not None else None
 
   def backlogged(self, peer: int) -> bool:
     """Whether `peer` is another process's device to whose process `max_remote_backlog` sends
