@@ -96,7 +96,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.layup.max_dispatch_ahead = 1  # iterations a compute task may run ahead of its device
   # The updater tasks (sends, merges) on a thread of their own beside the dispatcher's (the
   # paper's design), the two taking turns per stretch of work; False: on the dispatcher's
-  # thread, one thread per process (docs/host.md measures both).
+  # thread, one thread per process (docs/host.md measures both: on an H200 machine's 16-core
+  # host, ResNet-18's structure, 8 CPU devices, ff48274, 2026-11-28: 2.17-2.41 ms per
+  # device-iteration with the updater thread, 1.78-1.82 without, against a 1.9 ms budget).
   config.layup.updater_thread = True
   config.layup.gossip = True  # False: local steps only (LayUp, GoSGD, AD-PSGD), to time gossip
   # Push-sum weights (LayUp, GoSGD): "per_stage", one weight per device and stage, each stage an

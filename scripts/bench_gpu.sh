@@ -39,7 +39,7 @@ host() {  # tag limit extra-arguments...: bench_host on ResNet-18's structure, 8
     --algorithms layup --repeats 5 --steps 15 "$@" --out "$out/bench_host_$tag.json"
 }
 host after 90 --updater-thread on off
-host after_per_layer 60 --granularity per_layer
+host after_per_layer 110 --granularity per_layer  # 60 s ran out compiling (2026-11-28)
 if [[ -n "$before" ]]; then
   (cd "$before" && host before 60)  # an older checkout may know neither option above
 fi
