@@ -106,6 +106,27 @@ def start_server(host: str, num_local_devices: int):
         f"processes reach") from error
 
 
+def await_transfer(pulled: PyTree, source: int, is_lost: Callable[[int], bool],
+                   me: int) -> PyTree:
+  """`pulled` once its transfer has arrived, in an elastic run (else as it is: its merge waits
+  for it on the device). There a sender that dies mid-pull fails the transfer here, not in a
+  merge; and one whose host vanished without closing its connections (power, a cable, a link
+  down) leaves it waiting while TCP retransmits for minutes: the wait ends when `is_lost(source)`
+  (the watchdog declared it lost; `ProcessLostError`, its amount lost with it), so that nothing
+  computed on this device ever waits for it and the receiver thread ends."""
+  if not distributed.members.elastic:
+    return pulled
+  leaves = jax.tree.leaves(pulled)
+  while not all(leaf.is_ready() for leaf in leaves):
+    if is_lost(source):
+      print(f"process {me}: a transfer from process {source} was in flight when it was "
+            f"declared lost; dropped, its push-sum amount lost with it", file=sys.stderr,
+            flush=True)
+      raise distributed.ProcessLostError(source)
+    time.sleep(_PULL_POLL_S)
+  return jax.block_until_ready(pulled)
+
+
 class RemotePeers:
   """This process's sends to, and receipts from, the devices of the other processes."""
 
@@ -393,23 +414,8 @@ class RemotePeers:
     self.latencies.append(time.time() - notice["offered_at"])
 
   def _arrived(self, source: int, pulled: PyTree) -> PyTree:
-    """`pulled` once its transfer has arrived, in an elastic run (else as it is: its merge
-    waits for it on the device). There a sender that dies mid-pull fails the transfer here,
-    not in a merge; and one whose host vanished without closing its connections (power, a
-    cable, a link down) leaves it waiting while TCP retransmits for minutes: the wait ends when
-    the source is declared lost (`ProcessLostError`, its amount lost with it), so that nothing
-    computed on this device ever waits for it and the receiver thread ends."""
-    if not distributed.members.elastic:
-      return pulled
-    leaves = jax.tree.leaves(pulled)
-    while not all(leaf.is_ready() for leaf in leaves):
-      if source in self.lost:
-        print(f"process {self._me}: a transfer from process {source} was in flight when it was "
-              f"declared lost; dropped, its push-sum amount lost with it", file=sys.stderr,
-              flush=True)
-        raise distributed.ProcessLostError(source)
-      time.sleep(_PULL_POLL_S)
-    return jax.block_until_ready(pulled)
+    """`await_transfer` of `pulled` from `source`, which this process may find lost."""
+    return await_transfer(pulled, source, lambda process: process in self.lost, self._me)
 
   def _acknowledge(self, source: int, received: int) -> int:
     self._client.key_value_set(f"layup_jax/gossip-ack/{source}/{self._me}", str(received),

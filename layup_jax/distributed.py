@@ -158,15 +158,24 @@ def put(tree, sharding: jax.sharding.Sharding):
 # process than on another (found: a two-process test failed at a fixed 2-minute wait).
 GATHER_TIMEOUT_S = 120.0
 _GATHER_POLL_MS = 2000
-_next_gather = 0  # every process gathers in the same order: the n-th call meets the others' n-th
 _pickled_keys: list[str] = []  # this process's keys of its recent `all_gather_pickled` calls
 
 
-def _gather_prefix() -> str:
-  """The key directory of this process's next gather (gathers run on the main thread)."""
-  global _next_gather
-  _next_gather += 1
-  return f"layup_jax/gather/{_next_gather - 1}"
+class GatherOrder:
+  """Every process gathers in the same order, so the n-th gather of one process meets the
+  others' n-th under one key directory. A restarted process takes the live processes' `next`
+  from its admission (gathers run on the main thread)."""
+
+  def __init__(self):
+    self.next = 0
+
+  def prefix(self) -> str:
+    """The key directory of this process's next gather."""
+    self.next += 1
+    return f"layup_jax/gather/{self.next - 1}"
+
+
+gather_order = GatherOrder()
 
 
 class Membership:
@@ -267,7 +276,7 @@ class Membership:
     `step`, its next gather being the live processes' next."""
     with self._lock:
       lost = [[k, s] for k, s in self.lost.items() if k != process]
-    admission = {"step": step, "gather": _next_gather, "lost": lost}
+    admission = {"step": step, "gather": gather_order.next, "lost": lost}
     compat.coordination_client().key_value_set(f"layup_jax/admit/{process}",
                                                json.dumps(admission), allow_overwrite=True)
 
@@ -297,8 +306,7 @@ class Membership:
         if run_finished():
           raise RejoinError(f"process {me} was not admitted back: the run ended first")
     client.key_value_delete(f"layup_jax/admit/{me}")
-    global _next_gather
-    _next_gather = admission["gather"]
+    gather_order.next = admission["gather"]
     with self._lock:
       self.lost = {k: step for k, step in admission["lost"]}
       self.rejoining = False
@@ -377,7 +385,7 @@ def all_gather_json(value) -> list:
   if jax.process_count() == 1:
     return [value]
   client = compat.coordination_client()
-  prefix = _gather_prefix()
+  prefix = gather_order.prefix()
   client.key_value_set_bytes(f"{prefix}/{jax.process_index()}", json.dumps(value).encode())
   return [json.loads(part) for part in _read_gather(client, prefix)]
 
@@ -388,7 +396,7 @@ def all_gather_pickled(value) -> list:
   if jax.process_count() == 1:
     return [value]
   client = compat.coordination_client()
-  prefix = _gather_prefix()
+  prefix = gather_order.prefix()
   mine = f"{prefix}/{jax.process_index()}"
   client.key_value_set_bytes(mine, pickle.dumps(value))
   parts = [pickle.loads(part) for part in _read_gather(client, prefix)]

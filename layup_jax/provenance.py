@@ -16,17 +16,22 @@ import jax
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def code_version() -> str | None:
-  """The commit of the checkout this package runs from, with `-dirty` where a tracked Python
-  file differs from it (data and docs do not count), or None outside a git checkout (an
-  installed copy of the package, not a source tree, has no version here)."""
-  if not (_ROOT / "pyproject.toml").is_file():
+def code_version(root: pathlib.Path = _ROOT) -> str | None:
+  """The commit of the checkout at `root` (this package's source tree), with `-dirty` where a
+  tracked Python file differs from it (data and docs do not count); None outside a git checkout
+  (an installed copy of the package, not a source tree, has no version here) and for a source
+  tree that is not its checkout's top (an older tree exported into a folder of another
+  checkout, as scripts/bench_gpu.sh measures one, would otherwise carry that checkout's
+  commit)."""
+  if not (root / "pyproject.toml").is_file():
     return None
 
   def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=_ROOT, capture_output=True, text=True, timeout=10,
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
                           check=True).stdout.strip()
   try:
+    if pathlib.Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+      return None
     commit = git("rev-parse", "--short", "HEAD")
     changed = git("status", "--porcelain", "--untracked-files=no", "--", "*.py")
   except (OSError, subprocess.SubprocessError):

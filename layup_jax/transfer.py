@@ -34,7 +34,9 @@ def _target(device: jax.Device) -> tuple:
   return sharding, device_list(sharding)
 
 
-def _direct(tree: PyTree, device: jax.Device) -> PyTree:
+def batched(tree: PyTree, device: jax.Device) -> PyTree:
+  """`tree` on `device` through jax's batched copy (`compat.BATCHED_COPY`): a stage's arrays in
+  one call, where `jax.device_put` checks and dispatches each leaf on its own."""
   sharding, devices = _target(device)
   leaves, treedef = jax.tree.flatten(tree)
   internal = BATCHED_COPY
@@ -55,7 +57,7 @@ def _direct(tree: PyTree, device: jax.Device) -> PyTree:
 
 @functools.cache
 def implementation():
-  """`_direct` if it copies a device array and host arrays as `jax.device_put` does, else
+  """`batched` if it copies a device array and host arrays as `jax.device_put` does, else
   `public` (decided once, on first use: the check needs the devices)."""
   if BATCHED_COPY is None:
     return public
@@ -66,14 +68,14 @@ def implementation():
   try:
     for x in (*examples, list(examples)):  # one by one, and together
       for want, got in zip(jax.tree.leaves(jax.device_put(x, devices[-1])),
-                           jax.tree.leaves(_direct(x, devices[-1]))):
+                           jax.tree.leaves(batched(x, devices[-1]))):
         if (type(got) is not type(want) or got.devices() != want.devices()
             or got.aval != want.aval or got.committed != want.committed
             or not np.array_equal(got, want)):
           return public
   except Exception:  # noqa: BLE001 - any change of the internal function: the public one
     return public
-  return _direct
+  return batched
 
 
 def to_device(tree: PyTree, device: jax.Device) -> PyTree:

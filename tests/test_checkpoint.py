@@ -6,9 +6,9 @@ thread interleaving is not, so a resumed runtime must hold exactly what was save
 
 import json
 import pathlib
-import shutil
 import threading
 import time
+import types
 
 import chex
 import jax
@@ -388,7 +388,7 @@ def test_an_unwritable_workdir_or_a_full_disk_fails_before_training(tiny_config,
   with pytest.raises(StorageError, match="workdir"):
     runner.run(tiny_config, blocker / "run")
   monkeypatch.setattr(checkpointing.shutil, "disk_usage",
-                      lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+                      lambda path: types.SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
   with pytest.raises(StorageError, match=r"MiB are free"):
     runner.run(tiny_config, tmp_path / "run")
   assert not (tmp_path / "run" / "metrics.jsonl").exists()

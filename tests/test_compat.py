@@ -8,7 +8,7 @@ from layup_jax import compat, transfer
 
 def test_the_batched_copy_internals_are_there_and_taken():
   assert compat.BATCHED_COPY is not None
-  assert transfer.implementation() is transfer._direct  # they give what jax.device_put gives
+  assert transfer.implementation() is transfer.batched  # they give what jax.device_put gives
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[1])
   assert list(compat.device_list(sharding)) == [jax.devices()[1]]
 

@@ -67,7 +67,7 @@ class SlowWriter(FakeStore):
 def store(monkeypatch):
   fake = FakeStore()
   monkeypatch.setattr(compat, "coordination_client", lambda: fake)
-  monkeypatch.setattr(distributed, "_next_gather", 7)
+  monkeypatch.setattr(distributed.gather_order, "next", 7)
   return fake
 
 
@@ -111,7 +111,7 @@ def test_a_restarted_process_takes_the_admissions_step_lost_set_and_next_gather(
   admission = restarted.await_admission()
   assert admission["step"] == 60
   assert restarted.lost == {1: 5} and not restarted.rejoining
-  assert distributed._next_gather == 7  # the live processes' next gather
+  assert distributed.gather_order.next == 7  # the live processes' next gather
   assert "layup_jax/admit/2" not in store.values and "layup_jax/join/2" in store.values
 
 
@@ -135,7 +135,7 @@ def guarded(monkeypatch):
 def test_a_guarded_gather_waits_for_a_slow_process_as_long_as_it_lives(monkeypatch, guarded):
   slow = SlowWriter("layup_jax/gather/7/1", b'"theirs"', polls=100)
   monkeypatch.setattr(compat, "coordination_client", lambda: slow)
-  monkeypatch.setattr(distributed, "_next_gather", 7)
+  monkeypatch.setattr(distributed.gather_order, "next", 7)
   monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
   monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
   assert distributed.all_gather_json("mine") == ["mine", "theirs"]
@@ -172,9 +172,9 @@ def test_a_pull_from_a_host_that_vanished_ends_when_the_host_is_declared_lost(mo
   watchdog declares the source lost, the wait raises `ProcessLostError` (the receiver loop then
   ends quietly) and says in one line that the transfer's amount is lost with it; nothing
   computed on this process's devices waits for the transfer."""
-  from layup_jax.crossprocess import RemotePeers
+  from layup_jax.crossprocess import await_transfer
   monkeypatch.setattr(distributed.members, "elastic", True)
-  peers = types.SimpleNamespace(_me=1, lost=set())
+  peers = types.SimpleNamespace(lost=set())
   declared_at = []
 
   def declare():
@@ -183,14 +183,14 @@ def test_a_pull_from_a_host_that_vanished_ends_when_the_host_is_declared_lost(mo
 
   threading.Timer(0.2, declare).start()
   with pytest.raises(distributed.ProcessLostError):
-    RemotePeers._arrived(peers, 2, [NeverArrives(), NeverArrives()])
+    await_transfer([NeverArrives(), NeverArrives()], 2, lambda k: k in peers.lost, 1)
   # Raised only after the declaration, and soon after it (the wait polls every millisecond).
   assert declared_at and 0 <= time.monotonic() - declared_at[0] < 5
   assert "process 1: a transfer from process 2 was in flight when it was declared lost" \
       in capsys.readouterr().err
   # A transfer that arrives is returned, whatever else is lost.
   arrived = [jax.numpy.ones(3)]
-  assert RemotePeers._arrived(peers, 0, arrived)[0] is arrived[0]
+  assert await_transfer(arrived, 0, lambda k: k in peers.lost, 1)[0] is arrived[0]
 
 
 def test_a_lost_hosts_sockets_are_shut_so_that_a_blocked_receive_ends():

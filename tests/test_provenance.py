@@ -10,28 +10,38 @@ def _git(where, *args):
                         cwd=where, capture_output=True, text=True, check=True).stdout.strip()
 
 
-def test_the_code_version_is_the_commit_and_dirty_only_when_python_files_changed(
-    tmp_path, monkeypatch):
-  monkeypatch.setattr(provenance, "_ROOT", tmp_path)
+def test_the_code_version_is_the_commit_and_dirty_only_when_python_files_changed(tmp_path):
   (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
-  assert provenance.code_version() is None  # a source tree outside git
+  assert provenance.code_version(tmp_path) is None  # a source tree outside git
   (tmp_path / "code.py").write_text("A = 1\n")
   (tmp_path / "notes.md").write_text("figures\n")
   _git(tmp_path, "init", "-q")
   _git(tmp_path, "add", ".")
   _git(tmp_path, "commit", "-q", "-m", "first")
   commit = _git(tmp_path, "rev-parse", "--short", "HEAD")
-  assert provenance.code_version() == commit
+  assert provenance.code_version(tmp_path) == commit
   (tmp_path / "notes.md").write_text("new figures\n")  # results written beside the code
-  assert provenance.code_version() == commit
+  assert provenance.code_version(tmp_path) == commit
   (tmp_path / "code.py").write_text("A = 2\n")
-  assert provenance.code_version() == f"{commit}-dirty"
+  assert provenance.code_version(tmp_path) == f"{commit}-dirty"
 
 
-def test_an_installed_copy_without_its_source_tree_has_no_version(tmp_path, monkeypatch):
-  monkeypatch.setattr(provenance, "_ROOT", tmp_path)  # no pyproject.toml: site-packages
+def test_a_source_tree_exported_inside_another_checkout_has_no_version(tmp_path):
+  """An older tree measured from a folder of this checkout is not labelled with this commit."""
+  (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
   _git(tmp_path, "init", "-q")
-  assert provenance.code_version() is None
+  _git(tmp_path, "add", ".")
+  _git(tmp_path, "commit", "-q", "-m", "first")
+  exported = tmp_path / ".before"
+  exported.mkdir()
+  (exported / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+  assert provenance.code_version(tmp_path) == _git(tmp_path, "rev-parse", "--short", "HEAD")
+  assert provenance.code_version(exported) is None
+
+
+def test_an_installed_copy_without_its_source_tree_has_no_version(tmp_path):
+  _git(tmp_path, "init", "-q")  # no pyproject.toml: a copy in site-packages
+  assert provenance.code_version(tmp_path) is None
 
 
 def test_a_run_is_labelled_with_the_code_it_started_with(tiny_config, tmp_path, monkeypatch):
