@@ -30,9 +30,9 @@ def code_version(root: pathlib.Path = _ROOT) -> str | None:
     return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
                           check=True).stdout.strip()
   try:
-    if pathlib.Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+    top, commit = git("rev-parse", "--show-toplevel", "--short", "HEAD").splitlines()
+    if pathlib.Path(top).resolve() != root.resolve():
       return None
-    commit = git("rev-parse", "--short", "HEAD")
     changed = git("status", "--porcelain", "--untracked-files=no", "--", "*.py")
   except (OSError, subprocess.SubprocessError):
     return None
