@@ -100,6 +100,10 @@ def get_config() -> ml_collections.ConfigDict:
   # host, ResNet-18's structure, 8 CPU devices, ff48274, 2026-11-28: 2.17-2.41 ms per
   # device-iteration with the updater thread, 1.78-1.82 without, against a 1.9 ms budget).
   config.layup.updater_thread = True
+  # Pin the dispatcher and updater threads (which take turns, never run at once) to one CPU of
+  # the process's allowed set (the process index picks which): the objects both touch stay in
+  # one core's caches. Measured in docs/host.md.
+  config.layup.pin_host_threads = False
   config.layup.gossip = True  # False: local steps only (LayUp, GoSGD, AD-PSGD), to time gossip
   # Push-sum weights (LayUp, GoSGD): "per_stage", one weight per device and stage, each stage an
   # exact push-sum instance; "per_model", one per device as in the paper's Algorithm 1 (the

@@ -14,6 +14,7 @@ CONFIG_KEYS = {
     "gossip": "layup.gossip", "max_dispatch_ahead": "layup.max_dispatch_ahead",
     "max_sends_in_flight": "layup.max_sends_in_flight", "pack_stages": "layup.pack_stages",
     "fuse_local_step": "layup.fuse_local_step", "updater_thread": "layup.updater_thread",
+    "pin_host_threads": "layup.pin_host_threads",
     "remat": "layup.remat", "nonfinite": "faults.nonfinite",
     "latency_every": "metrics.latency_every", "straggler_device": "straggler.device",
     "straggler_delay_iters": "straggler.delay_iters", "straggler_mode": "straggler.mode",
@@ -38,6 +39,7 @@ class RuntimeOptions:
   pack_stages: bool = True
   fuse_local_step: bool = True
   updater_thread: bool = True
+  pin_host_threads: bool = False
   remat: str = "dots"
   nonfinite: str = "stop"
   latency_every: int = 0

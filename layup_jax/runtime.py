@@ -40,7 +40,7 @@ from layup_jax.runtime_state import RuntimeCheckpoint
 from layup_jax.scheduler import Ready, Scheduler, Task, Turns, Until, awaited, drive
 from layup_jax.stages import StagedModel, staged_pass
 from layup_jax.straggler import IterationClock
-from layup_jax.threads import Threads
+from layup_jax.threads import Threads, pin_calling_thread, shared_core
 from layup_jax.transport import Outbox, Transport
 from layup_jax.warmup import compile_runtime
 
@@ -293,8 +293,10 @@ class AsyncRuntime:
   def start_threads(self) -> None:
     self._spawn_tasks()
     stopped = self.threads.stopped
+    core = shared_core(jax.process_index()) if self.options.pin_host_threads else None
 
     def run(scheduler: Scheduler) -> None:
+      pin_calling_thread(core)
       scheduler.run(stopped)
       if scheduler.failure is not None:  # stops the other threads too (named by the task)
         raise scheduler.failure.error

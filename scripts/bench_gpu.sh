@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks of the runtime's speed, in one run on a lent GPU machine (docs/host.md):
+#   bench_step  --cases resnet18-cifar-b128 gpt2-124m-bf16  the runtime (and the runtime with
+#               `max_dispatch_ahead=2`) against the fused step on the GPU, MFU
 #   bench_host  --cases resnet18-cifar --algorithms layup   the host's time per device-iteration on
 #               that machine's CPU cores (8 fake CPU devices: the host's dispatch cost where the
 #               cores are not shared with the device work, as they are on a 2-core machine); this
-#               tree also with one thread and at per_layer granularity
-#   bench_step  --cases resnet18-cifar-b128 gpt2-124m-bf16  runtime and fused step on the GPU, MFU
+#               tree with and without the updater thread and the pinned threads, in two rounds
+#               (the second in the other order); with PER_LAYER=1 also at per_layer granularity
 # for this tree and, given BEFORE (another checkout of the project), for that one too, with this
 # tree's benchmark scripts copied into it so that both are measured by the same harness. Each
 # command has its own time limit, so that one overrun leaves the others' figures; the JSON go to
@@ -38,15 +40,18 @@ host() {  # tag limit extra-arguments...: bench_host on ResNet-18's structure, 8
     run "host_$tag" "$limit" python3 scripts/bench_host.py --cases resnet18-cifar \
     --algorithms layup --repeats 5 --steps 15 "$@" --out "$out/bench_host_$tag.json"
 }
-host after 90 --updater-thread on off
-host after_per_layer 110 --granularity per_layer  # 60 s ran out compiling (2026-11-28)
-if [[ -n "$before" ]]; then
-  (cd "$before" && host before 60)  # an older checkout may know neither option above
-fi
 for tree in "${trees[@]}"; do
   tag=$([[ "$tree" == "." ]] && echo after || echo before)
-  (cd "$tree" && run "step_$tag" 160 python3 scripts/bench_step.py \
-    --cases resnet18-cifar-b128 gpt2-124m-bf16 --sides runtime fused --repeats 5 \
+  (cd "$tree" && run "step_$tag" 200 python3 scripts/bench_step.py \
+    --cases resnet18-cifar-b128 gpt2-124m-bf16 --sides runtime ahead2 fused --repeats 5 \
     --out "$out/bench_step_$tag.json")
 done
+host after 220 --updater-thread on off --pin-threads off on
+if [[ -n "$before" ]]; then
+  (cd "$before" && host before 60)  # an older checkout may know none of the options above
+fi
+host after_round2 110 --updater-thread on --pin-threads on off
+if [[ "${PER_LAYER:-0}" == 1 ]]; then
+  host after_per_layer 110 --granularity per_layer  # 60 s ran out compiling (2026-11-28)
+fi
 (cd "$out" && tar czf logs.tar.gz ./*.log && rm -f ./*.log)

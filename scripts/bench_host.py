@@ -3,8 +3,9 @@
 On a GPU a device-iteration of LayUp costs the host what it takes to dispatch it: the stage
 programs, the updates, the copies to peers and the merges, from the runtime's dispatcher and
 updater threads (layup_jax/runtime.py; `--updater-thread off` runs the updater's tasks on the
-dispatcher's thread; `--granularity per_layer` the models' finer stages). Here the paper's model
-*structures* (their stage counts and the kinds of stage) are shrunk until the device's own work
+dispatcher's thread; `--granularity per_layer` the models' finer stages; `--pin-threads on`
+the two threads on one CPU, `layup.pin_host_threads`). Here the paper's model *structures*
+(their stage counts and the kinds of stage) are shrunk until the device's own work
 is negligible (widths 2, batch 2, 8x8 images or 4 tokens; the `fused_step_ms` column is one
 device's whole jitted training step on the same model, an upper bound on its device time), so
 that the wall time of a run on 8 fake CPU devices is the host's time:
@@ -109,12 +110,14 @@ def batches(kind: str, seed: int, count: int = 4):
 
 
 def bench_config(algorithm: str, num_devices: int, fuse: bool = True,
-                 updater_thread: bool = True):
+                 updater_thread: bool = True, pin: bool = False):
   config = base.get_config()
   config.algorithm, config.num_devices = algorithm, num_devices
   config.layup.fuse_local_step = fuse
   if "updater_thread" in config.layup:  # (an earlier runtime, benchmarked side by side, has none)
     config.layup.updater_thread = updater_thread
+  if "pin_host_threads" in config.layup:
+    config.layup.pin_host_threads = pin
   config.metrics.latency_every = 0
   config.baselines.tau = config.baselines.out_freq = 4
   config.faults.nonfinite = "skip"  # widths 2 can make a gradient non-finite; the run goes on
@@ -207,14 +210,14 @@ class Counter:
 
 def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
           per_group: int = 1, fuse: bool = True, updater_thread: bool = True,
-          granularity: str = "per_block") -> dict:
+          granularity: str = "per_block", pin: bool = False) -> dict:
   model, kind = shrunk_model(case, granularity)
   if per_group > 1:
     model = stages.group_stages(model, per_group)
   devices = jax.devices()[:num_devices]
   streams = TrainStreams([batches(kind, seed) for seed in range(num_devices)],
                          next(batches(kind, 0)))
-  config = bench_config(algorithm, num_devices, fuse, updater_thread)
+  config = bench_config(algorithm, num_devices, fuse, updater_thread, pin)
   runtime = algorithms.build_runtime(config, model, optax.sgd(1e-3), devices, streams)
   start = time.perf_counter()
   runtime.compile()
@@ -244,7 +247,7 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
   return {
       "case": case, "algorithm": algorithm, "num_stages": model.num_stages,
       "stages_per_group": per_group, "granularity": granularity, "fuse_local_step": fuse,
-      "updater_thread": updater_thread,
+      "updater_thread": updater_thread, "pin_host_threads": pin,
       "num_devices": num_devices, "steps_per_block": steps, "repeats": repeats,
       "host_ms_per_iteration": host_ms,
       "host_ms_all": [1e3 * w / per_block for w in walls],
@@ -279,6 +282,8 @@ def main() -> None:
   parser.add_argument("--granularity", nargs="+", default=["per_block"],
                       choices=["per_block", "per_layer"],
                       help="model.granularity values to run, one row each (adjacent)")
+  parser.add_argument("--pin-threads", nargs="+", default=["off"], choices=["on", "off"],
+                      help="layup.pin_host_threads values to run, one row each (adjacent)")
   parser.add_argument("--out", default="bench_host.json")
   args = parser.parse_args()
 
@@ -286,11 +291,11 @@ def main() -> None:
   fused = {}
   for case in args.cases:
     fused[case] = fused_step_ms(*shrunk_model(case))
-    for algorithm, per_group, fuse, thread, granularity in itertools.product(
+    for algorithm, per_group, fuse, thread, granularity, pin in itertools.product(
         args.algorithms, args.stages_per_group, args.fuse_local_step, args.updater_thread,
-        args.granularity):
+        args.granularity, args.pin_threads):
       row = bench(case, algorithm, args.num_devices, args.steps, args.repeats, per_group,
-                  fuse == "on", thread == "on", granularity)
+                  fuse == "on", thread == "on", granularity, pin == "on")
       row["fused_step_ms"] = fused[case]
       rows.append(row)
       print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
@@ -304,6 +309,7 @@ def main() -> None:
   for r in rows:
     print(f"{r['case']:<16}{r['algorithm']:<11}{r['num_stages']:>7}"
           f"{'on' if r['fuse_local_step'] else 'off':>6}{'on' if r['updater_thread'] else 'off':>7}"
+          f"{'on' if r.get('pin_host_threads') else 'off':>4}"
           f"{r['host_ms_per_iteration']:>11.2f}{fmt(r.get('serial_ms_per_iteration'), '.2f'):>8}"
           f"{fmt(r.get('thread_cpu_ms_per_iteration'), '.2f'):>8}"
           f"{r['cpu_ms_per_iteration']:>10.2f}"

@@ -4,13 +4,15 @@ Fused: one jitted `value_and_grad` + Optax step of the model, batch and optimize
 the loss every iteration. Staged, three ways, all on one device without a peer:
   runtime:  LayUp's threaded runtime (compute thread + updater thread), stages packed into one
             flat vector each (the default); iterations run back to back, as in training.
+  ahead2:   the runtime with `layup.max_dispatch_ahead=2`: the compute task dispatches the next
+            iteration before reading the last one's loss (the default, 1, reads it first).
   unfused:  the runtime with `layup.fuse_local_step=False`: the updater thread applies each
             gradient in a program of its own instead of the backward's program applying it.
   serial:   the same per-stage functions dispatched from one thread (`iterate_serial`: forwards
             returning VJPs, VJPs in reverse, one Optax update per stage), waiting for the loss
             and the gradient checks every iteration.
   pytrees:  serial, with each stage's params kept as a pytree (`layup.pack_stages=False`).
-Every round runs a short block of each of the five back to back (alternating the order), so
+Every round runs a short block of each side back to back (alternating the order), so
 each ratio is measured side by side; medians of the per-round ratios are reported. FLOPs per
 iteration come from XLA's `compiled.cost_analysis()` (summed over the stage functions for the
 staged step); MFU is given where the device's peak is known.
@@ -97,7 +99,7 @@ def transformer_flops(config, params, batch: int, seq_len: int) -> float | None:
   return batch * seq_len * (6 * n + 12 * spec.num_layers * spec.embed_dim * seq_len)
 
 
-SIDES = ("runtime", "unfused", "staged", "pytrees", "fused")
+SIDES = ("runtime", "ahead2", "unfused", "staged", "pytrees", "fused")
 
 
 def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
@@ -113,14 +115,16 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
   tx = optim.make_optimizer(config.optimizer, 10_000)
   params, state = init_model(config, model, example)
 
-  def runtime(pack: bool, fuse: bool = True) -> AsyncRuntime:
-    options = RuntimeOptions(seed=config.seed, pack_stages=pack, fuse_local_step=fuse)
+  def runtime(pack: bool, fuse: bool = True, ahead: int = 1) -> AsyncRuntime:
+    options = RuntimeOptions(seed=config.seed, pack_stages=pack, fuse_local_step=fuse,
+                             max_dispatch_ahead=ahead)
     built = AsyncRuntime(model, tx, [device], [train], params, state, example, LayUp, options)
     built.compile()
     return built
 
   layup = runtime(True)
   threaded = runtime(True) if "runtime" in sides else None
+  ahead2 = runtime(True, ahead=2) if "ahead2" in sides else None
   unpacked = runtime(False) if "pytrees" in sides else None
   unfused = runtime(True, fuse=False) if "unfused" in sides else None
   key = jax.device_put(jax.random.key(0), device)
@@ -151,6 +155,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
 
   # Each side is warmed up (and its first calls compiled) by `interleaved`'s first block.
   blocks = {"runtime": lambda: threaded_block(threaded, iters),
+            "ahead2": lambda: threaded_block(ahead2, iters),
             "unfused": lambda: threaded_block(unfused, iters),
             "staged": lambda: serial_block(staged_iteration, iters),
             "pytrees": lambda: serial_block(pytree_iteration, iters),
@@ -161,7 +166,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
     times.setdefault(side, [float("nan")])
   runtime_times, staged_times = times["runtime"], times["staged"]
   pytree_times, fused_times = times["pytrees"], times["fused"]
-  for built in (threaded, unfused, layup, unpacked):
+  for built in (threaded, ahead2, unfused, layup, unpacked):
     if built is not None:
       built.close()
   staged_s, fused_s = statistics.median(staged_times), statistics.median(fused_times)
@@ -174,10 +179,12 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
       "case": case, "model": config.model.name, "num_stages": model.num_stages, "iters": iters,
       "batch_size": config.data.batch_size, "device": device.device_kind,
       "runtime_ms_median": 1e3 * runtime_s, "staged_ms_median": 1e3 * staged_s,
+      "runtime_ahead2_ms_median": 1e3 * statistics.median(times["ahead2"]),
       "runtime_unfused_ms_median": 1e3 * statistics.median(times["unfused"]),
       "pytrees_ms_median": 1e3 * statistics.median(pytree_times),
       "fused_ms_median": 1e3 * fused_s,
       "throughput_ratio_runtime_over_fused_median": ratio(runtime_times),
+      "throughput_ratio_runtime_ahead2_over_fused_median": ratio(times["ahead2"]),
       "throughput_ratio_runtime_unfused_over_fused_median": ratio(times["unfused"]),
       "throughput_ratio_staged_over_fused_median": ratio(staged_times),
       "throughput_ratio_pytrees_over_fused_median": ratio(pytree_times),
@@ -190,6 +197,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
       "mfu_estimate_staged": estimate / staged_s / peak if peak and estimate else None,
       "mfu_estimate_fused": estimate / fused_s / peak if peak and estimate else None,
       "runtime_ms_all": [1e3 * t for t in runtime_times],
+      "runtime_ahead2_ms_all": [1e3 * t for t in times["ahead2"]],
       "runtime_unfused_ms_all": [1e3 * t for t in times["unfused"]],
       "staged_ms_all": [1e3 * t for t in staged_times],
       "pytrees_ms_all": [1e3 * t for t in pytree_times],
@@ -212,16 +220,18 @@ def main() -> None:
   sides = set(args.sides) | {"fused"}
   rows = [bench_case(case, args.repeats, args.iters, sides) for case in args.cases]
   mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"
-  print(f"{'case':<16}{'stages':>7}{'batch':>6}{'fused ms':>10}{'runtime ms':>12}"
+  print(f"{'case':<16}{'stages':>7}{'batch':>6}{'fused ms':>10}{'runtime ms':>12}{'ahead2 ms':>10}"
         f"{'unfused ms':>11}{'serial ms':>11}{'pytrees ms':>12}   throughput vs fused: runtime"
-        f" unfused serial pytrees"
+        f" ahead2 unfused serial pytrees"
         f"{'GFLOP/it':>10}{'MFU rt.':>9}{'MFU fu.':>9}")
   for r in rows:
     print(f"{r['case']:<16}{r['num_stages']:>7}{r['batch_size']:>6}{r['fused_ms_median']:>10.3f}"
-          f"{r['runtime_ms_median']:>12.3f}{r['runtime_unfused_ms_median']:>11.3f}"
+          f"{r['runtime_ms_median']:>12.3f}{r['runtime_ahead2_ms_median']:>10.3f}"
+          f"{r['runtime_unfused_ms_median']:>11.3f}"
           f"{r['staged_ms_median']:>11.3f}"
           f"{r['pytrees_ms_median']:>12.3f}{'':>22}"
           f"{r['throughput_ratio_runtime_over_fused_median']:>8.3f}"
+          f"{r['throughput_ratio_runtime_ahead2_over_fused_median']:>7.3f}"
           f"{r['throughput_ratio_runtime_unfused_over_fused_median']:>8.3f}"
           f"{r['throughput_ratio_staged_over_fused_median']:>7.3f}"
           f"{r['throughput_ratio_pytrees_over_fused_median']:>8.3f}"

@@ -4,6 +4,7 @@ with its threads: no write lost, exact push-sum per stage, no device waiting on 
 import collections
 import dataclasses
 import gc
+import os
 import threading
 import time
 
@@ -15,7 +16,7 @@ import optax
 import pytest
 
 from configs import base
-from layup_jax import optim, pushsum, straggler, transfer
+from layup_jax import optim, pushsum, straggler, threads, transfer
 from layup_jax.algorithms.gossip import ADPSGD, GoSGD
 from layup_jax.algorithms.periodic import make_exchange
 from layup_jax.data import EvalSet, digits
@@ -612,3 +613,43 @@ def test_a_delay_program_keeps_its_device_busy_without_blocking_the_caller():
   assert time.perf_counter() - independent_at < 0.25
   # The delay was real device time (a loose bound: the calibration ran on a shared machine).
   assert independent_at - start > 0.5
+
+
+def _allowed_cpus(thread: threading.Thread) -> set[int]:
+  """The CPUs the kernel lets one thread of this process run on (Linux's per-thread affinity)."""
+  with open(f"/proc/self/task/{thread.native_id}/status") as f:
+    line = next(line for line in f if line.startswith("Cpus_allowed_list:"))
+  cpus = set()
+  for part in line.split(":")[1].strip().split(","):
+    first, _, last = part.partition("-")
+    cpus.update(range(int(first), int(last or first) + 1))
+  return cpus
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs per-thread CPU affinity and two CPUs")
+@pytest.mark.parametrize("pin", [True, False])
+def test_pinned_dispatcher_and_updater_share_one_cpu_and_nothing_else_is_pinned(pin):
+  runtime = make_layup_runtime(4, pin_host_threads=pin)
+  runtime.compile()
+  runtime.run_until(4 * 3, lambda done: None)
+  allowed = os.sched_getaffinity(0)
+  cpus = {t.name: _allowed_cpus(t) for t in threading.enumerate() if t.name.startswith("layup-")}
+  runtime.close()
+  assert set(cpus) == {"layup-dispatcher", "layup-updater"}
+  if pin:
+    assert cpus["layup-dispatcher"] == cpus["layup-updater"] == threads.shared_core(0)
+    assert len(cpus["layup-dispatcher"]) == 1
+  else:
+    assert cpus["layup-dispatcher"] == cpus["layup-updater"] == allowed
+  assert os.sched_getaffinity(0) == allowed  # the calling thread is not pinned
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and two CPUs")
+def test_processes_sharing_a_host_pin_their_threads_to_different_cpus():
+  allowed = sorted(os.sched_getaffinity(0))
+  chosen = [threads.shared_core(index) for index in range(len(allowed))]
+  assert all(len(cpus) == 1 for cpus in chosen)
+  assert set().union(*chosen) == set(allowed)
+  assert threads.shared_core(len(allowed)) == chosen[0]  # more processes than CPUs: in turn
