@@ -293,7 +293,8 @@ class AsyncRuntime:
   def start_threads(self) -> None:
     self._spawn_tasks()
     stopped = self.threads.stopped
-    core = shared_core(jax.process_index()) if self.options.pin_host_threads else None
+    pin = self.options.pin_host_threads and self.updater is not self.dispatcher  # two threads
+    core = shared_core(jax.process_index()) if pin else None
 
     def run(scheduler: Scheduler) -> None:
       pin_calling_thread(core)

@@ -646,6 +646,17 @@ def test_pinned_dispatcher_and_updater_share_one_cpu_and_nothing_else_is_pinned(
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs per-thread CPU affinity and two CPUs")
+def test_a_runtime_with_one_thread_is_not_pinned():
+  runtime = make_layup_runtime(4, pin_host_threads=True, updater_thread=False)
+  runtime.compile()
+  runtime.run_until(4 * 3, lambda done: None)
+  cpus = {t.name: _allowed_cpus(t) for t in threading.enumerate() if t.name.startswith("layup-")}
+  runtime.close()
+  assert cpus == {"layup-dispatcher": os.sched_getaffinity(0)}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs CPU affinity and two CPUs")
 def test_processes_sharing_a_host_pin_their_threads_to_different_cpus():
   allowed = sorted(os.sched_getaffinity(0))
