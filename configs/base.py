@@ -101,9 +101,13 @@ def get_config() -> ml_collections.ConfigDict:
   # device-iteration with the updater thread, 1.78-1.82 without, against a 1.9 ms budget).
   config.layup.updater_thread = True
   # Pin the dispatcher and updater threads (which take turns, never run at once) to one CPU of
-  # the process's allowed set (the process index picks which): the objects both touch stay in
-  # one core's caches. Measured in docs/host.md.
-  config.layup.pin_host_threads = False
+  # the process's allowed set (the process index picks which), so that the objects both touch
+  # stay in one core's caches: "on", "off", or "auto" (on where the devices are not CPUs).
+  # docs/host.md: on an H200 machine's 16-core host (ResNet-18's structure, 8 CPU devices,
+  # 6db3333, 2026-11-28) 2.19 / 2.71 ms per device-iteration pinned against 2.79 / 3.73
+  # unpinned; on the 2-core development machine, whose CPU devices share the two cores, the
+  # digits command took 2-4 % longer pinned. One thread (updater_thread False) is never pinned.
+  config.layup.pin_host_threads = "auto"
   config.layup.gossip = True  # False: local steps only (LayUp, GoSGD, AD-PSGD), to time gossip
   # Push-sum weights (LayUp, GoSGD): "per_stage", one weight per device and stage, each stage an
   # exact push-sum instance; "per_model", one per device as in the paper's Algorithm 1 (the

@@ -78,6 +78,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "optimizer.schedule", optim.SCHEDULES)
   _one_of(config, "layup.bn_policy", options.BN_POLICIES)
   _one_of(config, "layup.push_sum", options.PUSH_SUM)
+  _one_of(config, "layup.pin_host_threads", options.PIN_HOST_THREADS)
   _one_of(config, "layup.remat", stages.REMAT_POLICIES)
   _one_of(config, "faults.nonfinite", nonfinite.POLICIES)
   _one_of(config, "straggler.mode", straggler.MODES)

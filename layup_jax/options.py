@@ -8,6 +8,7 @@ from layup_jax import compression, nonfinite, stages, straggler
 
 BN_POLICIES = ("mix", "local")  # config.layup.bn_policy
 PUSH_SUM = ("per_stage", "per_model")  # config.layup.push_sum
+PIN_HOST_THREADS = ("auto", "on", "off")  # config.layup.pin_host_threads
 # Each option's key in the config.
 CONFIG_KEYS = {
     "seed": "seed", "bn_policy": "layup.bn_policy", "push_sum": "layup.push_sum",
@@ -39,7 +40,7 @@ class RuntimeOptions:
   pack_stages: bool = True
   fuse_local_step: bool = True
   updater_thread: bool = True
-  pin_host_threads: bool = False
+  pin_host_threads: str = "auto"
   remat: str = "dots"
   nonfinite: str = "stop"
   latency_every: int = 0
@@ -53,6 +54,7 @@ class RuntimeOptions:
 
   def __post_init__(self):
     for name, choices in (("bn_policy", BN_POLICIES), ("push_sum", PUSH_SUM),
+                          ("pin_host_threads", PIN_HOST_THREADS),
                           ("remat", tuple(stages.REMAT_POLICIES)),
                           ("nonfinite", nonfinite.POLICIES), ("straggler_mode", straggler.MODES),
                           ("compression", compression.CODECS)):

@@ -293,8 +293,7 @@ class AsyncRuntime:
   def start_threads(self) -> None:
     self._spawn_tasks()
     stopped = self.threads.stopped
-    pin = self.options.pin_host_threads and self.updater is not self.dispatcher  # two threads
-    core = shared_core(jax.process_index()) if pin else None
+    core = shared_core(jax.process_index()) if self._pins_threads() else None
 
     def run(scheduler: Scheduler) -> None:
       pin_calling_thread(core)
@@ -305,6 +304,14 @@ class AsyncRuntime:
     self.threads.start([(f"layup-{s.name}", lambda s=s: run(s))
                          for s in dict.fromkeys((self.dispatcher, self.updater))]
                         + self.transport.loops())  # one receiver per other process
+
+  def _pins_threads(self) -> bool:
+    """Whether the dispatcher and updater threads share one CPU (`layup.pin_host_threads`):
+    only where there are two, and under "auto" only where the devices are not the host's own
+    CPUs (their work would then share that CPU too)."""
+    mode = self.options.pin_host_threads
+    return self.updater is not self.dispatcher and (
+        mode == "on" or (mode == "auto" and self.run_devices[0].platform != "cpu"))
 
   def raise_if_failed(self) -> None:
     """Raises the first failure, naming its task, device and stage (or its thread)."""

@@ -110,7 +110,7 @@ def batches(kind: str, seed: int, count: int = 4):
 
 
 def bench_config(algorithm: str, num_devices: int, fuse: bool = True,
-                 updater_thread: bool = True, pin: bool = False):
+                 updater_thread: bool = True, pin: str = "off"):
   config = base.get_config()
   config.algorithm, config.num_devices = algorithm, num_devices
   config.layup.fuse_local_step = fuse
@@ -210,7 +210,7 @@ class Counter:
 
 def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
           per_group: int = 1, fuse: bool = True, updater_thread: bool = True,
-          granularity: str = "per_block", pin: bool = False) -> dict:
+          granularity: str = "per_block", pin: str = "off") -> dict:
   model, kind = shrunk_model(case, granularity)
   if per_group > 1:
     model = stages.group_stages(model, per_group)
@@ -247,7 +247,7 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
   return {
       "case": case, "algorithm": algorithm, "num_stages": model.num_stages,
       "stages_per_group": per_group, "granularity": granularity, "fuse_local_step": fuse,
-      "updater_thread": updater_thread, "pin_host_threads": pin,
+      "updater_thread": updater_thread, "pin_host_threads": pin == "on",
       "num_devices": num_devices, "steps_per_block": steps, "repeats": repeats,
       "host_ms_per_iteration": host_ms,
       "host_ms_all": [1e3 * w / per_block for w in walls],
@@ -295,7 +295,7 @@ def main() -> None:
         args.algorithms, args.stages_per_group, args.fuse_local_step, args.updater_thread,
         args.granularity, args.pin_threads):
       row = bench(case, algorithm, args.num_devices, args.steps, args.repeats, per_group,
-                  fuse == "on", thread == "on", granularity, pin == "on")
+                  fuse == "on", thread == "on", granularity, pin)
       row["fused_step_ms"] = fused[case]
       rows.append(row)
       print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)

@@ -21,6 +21,7 @@ from layup_jax.options import CONFIG_KEYS, RuntimeOptions
     ("straggler.device", 8, r"config.straggler.device=8: must name one of the 8"),
     ("straggler.mode", "gpu", r"config.straggler.mode='gpu': must be one of \['host'"),
     ("layup.push_sum", "exact", r"config.layup.push_sum='exact': must be one of \['per_stage'"),
+    ("layup.pin_host_threads", "yes", r"config.layup.pin_host_threads='yes': must be one of \['auto'"),
     ("metrics.stop_at_target", True, r"config.metrics.stop_at_target=True: needs a target"),
     ("distributed.remote_peer_probability", 1.5,
      r"config.distributed.remote_peer_probability=1.5: must be in \[0, 1\], or -1"),

@@ -630,7 +630,8 @@ def _allowed_cpus(thread: threading.Thread) -> set[int]:
                     reason="needs per-thread CPU affinity and two CPUs")
 @pytest.mark.parametrize("pin", [True, False])
 def test_pinned_dispatcher_and_updater_share_one_cpu_and_nothing_else_is_pinned(pin):
-  runtime = make_layup_runtime(4, pin_host_threads=pin)
+  # "auto" on CPU devices (as here) is "off": their work runs on the host's cores too.
+  runtime = make_layup_runtime(4, pin_host_threads="on" if pin else "auto")
   runtime.compile()
   runtime.run_until(4 * 3, lambda done: None)
   allowed = os.sched_getaffinity(0)
@@ -648,7 +649,7 @@ def test_pinned_dispatcher_and_updater_share_one_cpu_and_nothing_else_is_pinned(
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs per-thread CPU affinity and two CPUs")
 def test_a_runtime_with_one_thread_is_not_pinned():
-  runtime = make_layup_runtime(4, pin_host_threads=True, updater_thread=False)
+  runtime = make_layup_runtime(4, pin_host_threads="on", updater_thread=False)
   runtime.compile()
   runtime.run_until(4 * 3, lambda done: None)
   cpus = {t.name: _allowed_cpus(t) for t in threading.enumerate() if t.name.startswith("layup-")}
