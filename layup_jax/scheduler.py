@@ -144,6 +144,9 @@ class Scheduler:
     self._wake = threading.Event()
     self.failure: TaskFailed | None = None
     self.cpu_s = 0.0  # CPU time the thread running `run` spent, outside its idle waits
+    # Wall time `run` spent asleep with nothing to run, and waiting for the turn (the other
+    # thread's): where a slow stretch of a run went (scripts/bench_step.py reports them).
+    self.idle_s = self.turn_wait_s = 0.0
 
   def spawn(self, name: str, task: Task) -> None:
     with self._lock:
@@ -186,8 +189,7 @@ class Scheduler:
     poll = _FIRST_POLL_S
     clock = time.thread_time()
     turn = self._turn
-    turn.acquire()
-    held_since = time.perf_counter()
+    held_since = self._take(turn)
     try:
       while not stopped() and self.failure is None:
         ran = self.step()
@@ -197,17 +199,25 @@ class Scheduler:
           poll = _FIRST_POLL_S
           if time.perf_counter() - held_since > _HOLD_S and turn.wanted():
             turn.release()
-            turn.acquire()
-            held_since = time.perf_counter()
+            held_since = self._take(turn)
           continue
         turn.release()
+        asleep = time.perf_counter()
         self._wake.wait(poll)
         self._wake.clear()
+        self.idle_s += time.perf_counter() - asleep
         poll = min(2 * poll, _LAST_POLL_S)
-        turn.acquire()
-        held_since = time.perf_counter()
+        held_since = self._take(turn)
     finally:
       turn.release()
+
+  def _take(self, turn) -> float:
+    """Acquires the turn; returns when (counting the wait in `turn_wait_s`)."""
+    asked = time.perf_counter()
+    turn.acquire()
+    now = time.perf_counter()
+    self.turn_wait_s += now - asked
+    return now
 
 
 def drive(task: Task, wait: Callable[[PyTree], Any] = jax.block_until_ready,

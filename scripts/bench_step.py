@@ -102,6 +102,24 @@ def transformer_flops(config, params, batch: int, seq_len: int) -> float | None:
 SIDES = ("runtime", "ahead2", "unfused", "staged", "pytrees", "fused")
 
 
+def thread_clocks(runtime: AsyncRuntime) -> dict[str, float]:
+  """Seconds so far of the runtime's threads: CPU, asleep with nothing to run, and waiting for
+  the other thread's turn (layup_jax/scheduler.py), per thread."""
+  return {f"{s.name}_{what}": getattr(s, what) for s in {runtime.dispatcher, runtime.updater}
+          for what in ("cpu_s", "idle_s", "turn_wait_s")}
+
+
+def clocked_block(runtime: AsyncRuntime, iters: int, log: list) -> float:
+  """`threaded_block`, logging the threads' milliseconds per iteration in the block: a slow
+  block with the dispatcher asleep waited on the device, one with it busy was the host."""
+  before = thread_clocks(runtime)
+  seconds = threaded_block(runtime, iters)
+  after = thread_clocks(runtime)
+  log.append({"wall_ms": 1e3 * seconds / iters,
+              **{k.replace("_s", "_ms"): 1e3 * (after[k] - before[k]) / iters for k in after}})
+  return seconds
+
+
 def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
   config, extras = case_config(case)
   iters = iters or extras["iters"]
@@ -154,8 +172,9 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
     unpacked.iterate_serial(0, None)
 
   # Each side is warmed up (and its first calls compiled) by `interleaved`'s first block.
-  blocks = {"runtime": lambda: threaded_block(threaded, iters),
-            "ahead2": lambda: threaded_block(ahead2, iters),
+  clocks = {"runtime": [], "ahead2": []}  # per block, the warm-up block first
+  blocks = {"runtime": lambda: clocked_block(threaded, iters, clocks["runtime"]),
+            "ahead2": lambda: clocked_block(ahead2, iters, clocks["ahead2"]),
             "unfused": lambda: threaded_block(unfused, iters),
             "staged": lambda: serial_block(staged_iteration, iters),
             "pytrees": lambda: serial_block(pytree_iteration, iters),
@@ -198,6 +217,8 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
       "mfu_estimate_fused": estimate / fused_s / peak if peak and estimate else None,
       "runtime_ms_all": [1e3 * t for t in runtime_times],
       "runtime_ahead2_ms_all": [1e3 * t for t in times["ahead2"]],
+      "runtime_threads_ms_per_iteration_blocks": clocks["runtime"],
+      "runtime_ahead2_threads_ms_per_iteration_blocks": clocks["ahead2"],
       "runtime_unfused_ms_all": [1e3 * t for t in times["unfused"]],
       "staged_ms_all": [1e3 * t for t in staged_times],
       "pytrees_ms_all": [1e3 * t for t in pytree_times],
@@ -240,6 +261,15 @@ def main() -> None:
     if r["flops_estimate_6nt"]:
       print(f"{r['case']}: 6NT estimate {r['flops_estimate_6nt'] / 1e9:.0f} GFLOP/it, MFU "
             f"runtime {mfu(r['mfu_estimate_runtime'])}, fused {mfu(r['mfu_estimate_fused'])}")
+  for r in rows:  # where each runtime block's time went (its first block is the warm-up)
+    for blocks in ("runtime_threads_ms_per_iteration_blocks",
+                   "runtime_ahead2_threads_ms_per_iteration_blocks"):
+      if r[blocks]:
+        print(f"{r['case']} {blocks.split('_threads')[0]}, ms per iteration per block (wall, "
+              f"dispatcher cpu / asleep / waiting for the turn): " + "; ".join(
+                  f"{b['wall_ms']:.1f} ({b['dispatcher_cpu_ms']:.1f} / "
+                  f"{b['dispatcher_idle_ms']:.1f} / {b['dispatcher_turn_wait_ms']:.1f})"
+                  for b in r[blocks]))
   iterations = ", ".join(f"{r['case']} {r['iters']}" for r in rows)
   print(f"(throughput ratio: median over {args.repeats} repeats of the ratio within a repeat, "
         f"{iterations} iterations each; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs "

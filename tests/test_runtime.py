@@ -665,3 +665,19 @@ def test_processes_sharing_a_host_pin_their_threads_to_different_cpus():
   assert all(len(cpus) == 1 for cpus in chosen)
   assert set().union(*chosen) == set(allowed)
   assert threads.shared_core(len(allowed)) == chosen[0]  # more processes than CPUs: in turn
+
+
+def test_a_scheduler_counts_the_time_it_slept_with_nothing_to_run():
+  from layup_jax.scheduler import Scheduler, Sleep
+
+  def waits(seconds):
+    yield Sleep(seconds)
+
+  scheduler = Scheduler("probe")
+  scheduler.spawn("waiting", waits(0.05))
+  start = time.perf_counter()
+  scheduler.run(stopped=lambda: len(scheduler) == 0)
+  wall = time.perf_counter() - start
+  # Nothing could run for 50 ms: the scheduler slept through most of it, never longer than it ran.
+  assert 0.025 < scheduler.idle_s <= wall
+  assert scheduler.turn_wait_s <= wall
