@@ -106,7 +106,8 @@ def get_config() -> ml_collections.ConfigDict:
   # docs/host.md: on an H200 machine's 16-core host (ResNet-18's structure, 8 CPU devices,
   # 6db3333, 2026-11-28) 2.19 / 2.71 ms per device-iteration pinned against 2.79 / 3.73
   # unpinned; on the 2-core development machine, whose CPU devices share the two cores, the
-  # digits command took 2-4 % longer pinned. One thread (updater_thread False) is never pinned.
+  # digits command took 0.3-4 % longer pinned (3 pairs). One thread (updater_thread False) is
+  # never pinned.
   config.layup.pin_host_threads = "auto"
   config.layup.gossip = True  # False: local steps only (LayUp, GoSGD, AD-PSGD), to time gossip
   # Push-sum weights (LayUp, GoSGD): "per_stage", one weight per device and stage, each stage an
