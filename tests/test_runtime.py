@@ -615,6 +615,11 @@ def test_a_delay_program_keeps_its_device_busy_without_blocking_the_caller():
   assert independent_at - start > 0.5
 
 
+needs_affinity = pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs per-thread CPU affinity and two CPUs")
+
+
 def _allowed_cpus(thread: threading.Thread) -> set[int]:
   """The CPUs the kernel lets one thread of this process run on (Linux's per-thread affinity)."""
   with open(f"/proc/self/task/{thread.native_id}/status") as f:
@@ -626,8 +631,11 @@ def _allowed_cpus(thread: threading.Thread) -> set[int]:
   return cpus
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs per-thread CPU affinity and two CPUs")
+def _layup_thread_cpus() -> dict[str, set[int]]:
+  return {t.name: _allowed_cpus(t) for t in threading.enumerate() if t.name.startswith("layup-")}
+
+
+@needs_affinity
 @pytest.mark.parametrize("pin", [True, False])
 def test_pinned_dispatcher_and_updater_share_one_cpu_and_nothing_else_is_pinned(pin):
   # "auto" on CPU devices (as here) is "off": their work runs on the host's cores too.
@@ -635,7 +643,7 @@ def test_pinned_dispatcher_and_updater_share_one_cpu_and_nothing_else_is_pinned(
   runtime.compile()
   runtime.run_until(4 * 3, lambda done: None)
   allowed = os.sched_getaffinity(0)
-  cpus = {t.name: _allowed_cpus(t) for t in threading.enumerate() if t.name.startswith("layup-")}
+  cpus = _layup_thread_cpus()
   runtime.close()
   assert set(cpus) == {"layup-dispatcher", "layup-updater"}
   if pin:
@@ -646,19 +654,17 @@ def test_pinned_dispatcher_and_updater_share_one_cpu_and_nothing_else_is_pinned(
   assert os.sched_getaffinity(0) == allowed  # the calling thread is not pinned
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs per-thread CPU affinity and two CPUs")
+@needs_affinity
 def test_a_runtime_with_one_thread_is_not_pinned():
   runtime = make_layup_runtime(4, pin_host_threads="on", updater_thread=False)
   runtime.compile()
   runtime.run_until(4 * 3, lambda done: None)
-  cpus = {t.name: _allowed_cpus(t) for t in threading.enumerate() if t.name.startswith("layup-")}
+  cpus = _layup_thread_cpus()
   runtime.close()
   assert cpus == {"layup-dispatcher": os.sched_getaffinity(0)}
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs CPU affinity and two CPUs")
+@needs_affinity
 def test_processes_sharing_a_host_pin_their_threads_to_different_cpus():
   allowed = sorted(os.sched_getaffinity(0))
   chosen = [threads.shared_core(index) for index in range(len(allowed))]
