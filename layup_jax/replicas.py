@@ -55,6 +55,33 @@ from layup_jax.stages import StagedModel, backward_grads, make_stage_steps, stag
 PyTree = Any
 
 
+class _BothLocks:
+  """A stage's params lock and its BatchNorm state lock, held as one (params first). A plain
+  class rather than a generator-based context manager: every stage write takes its locks, and
+  that one cost several times as much host time per write (docs/host.md)."""
+
+  __slots__ = ("first", "second")
+
+  def __init__(self, first: contextlib.AbstractContextManager,
+               second: contextlib.AbstractContextManager):
+    self.first, self.second = first, second
+
+  def __enter__(self) -> None:
+    self.first.__enter__()
+    try:
+      self.second.__enter__()
+    except BaseException:
+      self.first.__exit__(None, None, None)
+      raise
+
+  def __exit__(self, *exc) -> None:
+    self.second.__exit__(*exc)
+    self.first.__exit__(*exc)
+
+
+_NO_LOCK = contextlib.nullcontext()
+
+
 @dataclasses.dataclass
 class Replica:
   device: jax.Device
@@ -168,6 +195,8 @@ class ReplicaStore:
     self._inbox: list[list[tuple | None]] = [[None] * self.num_stages for _ in devices]
     self._locks = [[lock() for _ in range(self.num_stages)] for _ in devices]
     self._state_locks = [[lock() for _ in range(self.num_stages)] for _ in devices]
+    self._both_locks = [[_BothLocks(p, st) for p, st in zip(params, states)]
+                        for params, states in zip(self._locks, self._state_locks)]
     # Merges dispatched into each device and not yet seen computed (`pending_merges`): their
     # outputs, dropped once computed. A merged stage superseded before it is computed is still
     # in the device's queue; held here, it stays alive no longer than until that point is seen.
@@ -196,26 +225,17 @@ class ReplicaStore:
       return replica.params[s], replica.state[s]
     return replica.params[s]
 
-  @contextlib.contextmanager
-  def _writing(self, i: int, s: int):
-    """Holds the locks of what a merge of stage s of device i writes."""
-    with self._locks[i][s]:
-      if self.bn_policy == "mix" and self._has_state[s]:
-        with self._state_locks[i][s]:
-          yield
-      else:
-        yield
+  def _writing(self, i: int, s: int) -> contextlib.AbstractContextManager:
+    """The locks of what a merge of stage s of device i writes."""
+    return self._both_locks[i][s] if self._merge_state[s] else self._locks[i][s]
 
-  @contextlib.contextmanager
-  def _stage_locks(self, i: int, s: int, params: bool, state: bool):
-    """Holds the lock of stage s's params and of its BatchNorm state, as asked, params first
-    (the order every write takes them in)."""
-    with contextlib.ExitStack() as held:
-      if params:
-        held.enter_context(self._locks[i][s])
-      if state:
-        held.enter_context(self._state_locks[i][s])
-      yield
+  def _stage_locks(self, i: int, s: int, params: bool,
+                   state: bool) -> contextlib.AbstractContextManager:
+    """The lock of stage s's params and of its BatchNorm state, as asked, params first (the
+    order every write takes them in)."""
+    if params:
+      return self._both_locks[i][s] if state else self._locks[i][s]
+    return self._state_locks[i][s] if state else _NO_LOCK
 
   def _store_mixed_part(self, i: int, s: int, part: PyTree) -> None:
     replica = self.replicas[i]

@@ -114,10 +114,12 @@ class StagedModel:
       raise ValueError("a stage can consume at most one tied array")
     if len({tie.owner for tie in self.ties}) < len(self.ties):
       raise ValueError("a stage can own at most one tied array")
+    # Read once per stage and iteration on the hot path (`stage_input`): a lookup, not a scan.
+    object.__setattr__(self, "_tie_by_consumer", {tie.consumer: tie for tie in self.ties})
 
   def tie_of(self, stage_idx: int) -> Tie | None:
     """The tie whose consumer is `stage_idx`, if any."""
-    return next((t for t in self.ties if t.consumer == stage_idx), None)
+    return self._tie_by_consumer.get(stage_idx)
 
   def stage_input(self, stage_idx: int, x: PyTree, read_params: Callable[[int], PyTree]) -> PyTree:
     """`x`, or `(x, tied array)` for a consumer stage, reading the owner's params now."""
