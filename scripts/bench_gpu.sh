@@ -7,6 +7,8 @@
 #               cores are not shared with the device work, as they are on a 2-core machine); this
 #               tree with and without the updater thread and the pinned threads, in two rounds
 #               (the second in the other order); with PER_LAYER=1 also at per_layer granularity
+#   bench_dispatch  with DISPATCH=1: each program's dispatch cost inside a run against alone, on
+#               the same fake devices (is the 2-core machine's 1.5-3.8x the CPU client's?)
 # for this tree and, given BEFORE (another checkout of the project), for that one too, with this
 # tree's benchmark scripts copied into it so that both are measured by the same harness. Each
 # command has its own time limit, so that one overrun leaves the others' figures; the JSON go to
@@ -53,5 +55,10 @@ fi
 host after_round2 110 --updater-thread on --pin-threads on off
 if [[ "${PER_LAYER:-0}" == 1 ]]; then
   host after_per_layer 110 --granularity per_layer  # 60 s ran out compiling (2026-11-28)
+fi
+if [[ "${DISPATCH:-0}" == 1 ]]; then
+  JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    run dispatch 150 python3 scripts/bench_dispatch.py --repeats 1 --updater-thread on \
+    --out "$out/bench_dispatch.json"
 fi
 (cd "$out" && tar czf logs.tar.gz ./*.log && rm -f ./*.log)
