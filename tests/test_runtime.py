@@ -21,7 +21,8 @@ from layup_jax.algorithms.gossip import ADPSGD, GoSGD
 from layup_jax.algorithms.periodic import make_exchange
 from layup_jax.data import EvalSet, digits
 from layup_jax.evaluation import Evaluator
-from layup_jax.replicas import local_update
+from layup_jax.options import RuntimeOptions
+from layup_jax.replicas import ReplicaStore, local_update
 from layup_jax.runtime import WorkerError
 from tests.helpers import make_layup_runtime, mlp_model
 
@@ -348,6 +349,37 @@ def test_batchnorm_policy_decides_whether_statistics_travel(bn_policy):
   chex.assert_trees_all_close(received, want, atol=1e-6)
   assert not np.allclose(receiver_before["batch_stats"]["BatchNorm_0"]["mean"],
                          sender_after["batch_stats"]["BatchNorm_0"]["mean"])
+
+
+@pytest.mark.parametrize("bn_policy, locks_held", [("mix", 2), ("local", 1)])
+def test_a_merge_holds_the_lock_of_everything_it_writes(bn_policy, locks_held):
+  """A peer's merge is one atomic write of what it changes: the stage's params (and weight)
+  lock, and under "mix" its BatchNorm statistics lock too, held while the merge is dispatched."""
+  held = set()
+
+  class RecordingLock:
+    def __init__(self):
+      self._lock = threading.Lock()
+
+    def __enter__(self):
+      self._lock.acquire()
+      held.add(self)
+
+    def __exit__(self, *exc):
+      held.discard(self)
+      self._lock.release()
+
+  model = mlp_model()
+  params, state = model.init(jax.random.key(0), np.zeros((2, 64), np.float32))
+  store = ReplicaStore(model, optax.sgd(0.1), jax.devices()[:2], params, state,
+                       RuntimeOptions(bn_policy=bn_policy), lock=RecordingLock)
+  during_merge = []
+  merge_fn = store.merge_fn
+  store.merge_fn = lambda *args: (during_merge.append(len(held)), merge_fn(*args))[1]
+  part, amount = store.take(0, 0, halve=True)  # stage 0 has BatchNorm statistics
+  store.merge(1, 0, transfer.to_device(part, store.device(1)), amount, add_weight=True)
+  assert during_merge == [locks_held]
+  assert not held
 
 
 def _test_loss(runtime, evaluator):
