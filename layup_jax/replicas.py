@@ -227,7 +227,7 @@ class ReplicaStore:
 
   def _writing(self, i: int, s: int) -> contextlib.AbstractContextManager:
     """The locks of what a merge of stage s of device i writes."""
-    return self._both_locks[i][s] if self._merge_state[s] else self._locks[i][s]
+    return self._stage_locks(i, s, params=True, state=self._merge_state[s])
 
   def _stage_locks(self, i: int, s: int, params: bool,
                    state: bool) -> contextlib.AbstractContextManager:

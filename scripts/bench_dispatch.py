@@ -53,9 +53,12 @@ class CallClock(bench_host.Counter):
   def __init__(self):
     super().__init__()
     self.seconds = collections.defaultdict(list)  # name -> thread CPU seconds per call
-    self.first_call = {}  # name -> (function, args, kwargs) of its first call
     self.signatures = collections.Counter()  # (name, argument shapes) -> calls
     self.examples = {}  # (name, argument shapes) -> (function, args, kwargs)
+
+  def first_call(self, name: str) -> tuple:
+    """(function, args, kwargs) of the first recorded call of `name`."""
+    return next(call for (called, _), call in self.examples.items() if called == name)
 
   def wrap_jitted(self, fn):
     if not hasattr(fn, "lower"):
@@ -72,7 +75,6 @@ class CallClock(bench_host.Counter):
       self.signatures[signature] += 1
       if signature not in self.examples:
         self.examples[signature] = (fn, args, kwargs)
-        self.first_call.setdefault(name, (fn, args, kwargs))
       return out
     return timed
 
@@ -125,7 +127,7 @@ def run_once(case: str, updater_thread: bool, iterations: int, alone_calls: int)
         "calls_per_iteration": len(seconds) / iterations,
         "cheap_per_iteration": cheap[name] / iterations,
         "in_run_us": 1e6 * statistics.median(seconds),
-        "alone_us": alone_us(*clock.first_call[name], alone_calls),
+        "alone_us": alone_us(*clock.first_call(name), alone_calls),
     }
   return rows
 
