@@ -10,6 +10,7 @@ import ml_collections
 from configs import base
 from layup_jax import (
   algorithms,
+  allocator,
   compression,
   data,
   models,
@@ -68,6 +69,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   if unknown:
     raise ConfigError(f"unknown config key {unknown[0]} (every key is listed in configs/base.py)")
   _one_of(config, "algorithm", algorithms.names())
+  _one_of(config, "host_allocator", allocator.CHOICES)
   _one_of(config, "model.name", models.names())
   _one_of(config, "model.variant", models.VARIANTS)
   _one_of(config, "model.granularity", models.GRANULARITIES)

@@ -20,6 +20,7 @@ from absl import logging
 
 from layup_jax import (
   algorithms,
+  allocator,
   checkpointing,
   compile_cache,
   data,
@@ -479,6 +480,7 @@ class Session:
         "train_samples_per_s": self.samples_per_s(),
         "skipped_steps": stats.skipped_steps(),
         "host_threads_cpu_s": stats.host_cpu_s(),
+        "host_allocator": allocator.in_use(),
         "stage_update_latency_ms": measurements.stage_latency_ms(self.latencies),
         "remote_send_latency_ms": measurements.send_latency_ms(self.remote_latencies),
         **self.traffic(),

@@ -20,7 +20,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from layup_jax import algorithms, checkpointing, distributed, runner
+from layup_jax import allocator
 from layup_jax.errors import RejoinError, UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
@@ -92,6 +92,13 @@ def main(argv: list[str]) -> None:
     config.keys()  # a config file that failed to load raises only when first used
   except OSError as error:
     _fail_config_file(error)
+  try:
+    note = allocator.use(config.host_allocator)  # may start this command again, under it
+  except ValueError as error:
+    _fail(str(error))
+  # Imported only now: a command started again under another allocator imports jax once.
+  from layup_jax import algorithms, checkpointing, distributed, runner
+
   stop, watchdog = StopRequest(), None
   try:
     # A gossip run goes on when a process other than 0 is lost (docs/elastic.md).
@@ -117,6 +124,8 @@ def main(argv: list[str]) -> None:
     checkpointing.leave_if_saves_stuck(failed)
     sys.exit(failed)
   _report(summary, stop)
+  if note and summary.get("primary", True):
+    print(note, file=sys.stderr)  # after the run: a bad input still gets its one line alone
   # A save given up when a process was lost still waits, on its thread, in Orbax's barrier
   # inside jax's runtime: the interpreter would wait for it at exit for ever (and, were it a
   # daemon thread, end it in mid-call and abort: status -6 after a run that had ended well).

@@ -139,8 +139,12 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--alone", type=int, default=300, help="calls of each program alone")
   parser.add_argument("--updater-thread", nargs="+", default=["on", "off"], choices=["on", "off"])
+  parser.add_argument("--allocator", default="auto",
+                      choices=("auto", "tcmalloc", "jemalloc", "system"),
+                      help="the host's malloc (config.host_allocator; bench_host.use_allocator)")
   parser.add_argument("--out", default="bench_dispatch.json")
   args = parser.parse_args()
+  host_allocator = bench_host.use_allocator(args.allocator)
 
   runs = collections.defaultdict(list)
   for r in range(args.repeats):
@@ -164,7 +168,8 @@ def main() -> None:
       table.append(row)
 
   fmt = lambda v, spec: "-" if v is None else format(v, spec)
-  print(f"\n{args.case}, {args.iterations} device-iterations per run, medians of {args.repeats}")
+  print(f"\n{args.case}, {args.iterations} device-iterations per run, medians of {args.repeats}, "
+        f"host allocator {host_allocator}")
   print(f"{'upd.th':<7}{'program':<22}{'calls/it':>9}{'cheap/it':>9}{'in run us':>10}"
         f"{'alone us':>9}{'run/alone':>10}")
   for row in table:
@@ -176,7 +181,7 @@ def main() -> None:
             "repeats": args.repeats, "machine": platform.machine(), "cores": os.cpu_count(),
             "jax": jax.__version__, "python": platform.python_version(),
             "code_version": provenance.code_version(), "measured": time.strftime("%Y-%m-%d %H:%M"),
-            "table": table}
+            "host_allocator": host_allocator, "table": table}
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)
   print(f"wrote {args.out}")

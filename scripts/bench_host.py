@@ -266,6 +266,22 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
   }
 
 
+def use_allocator(choice: str) -> str:
+  """Starts this script again under the allocator `choice` (`layup_jax.allocator.use`) unless it
+  runs under it; returns the one in use. An older checkout measured with this script
+  (`scripts/bench_gpu.sh BEFORE`) has no allocator module: it runs as it was started."""
+  try:
+    from layup_jax import allocator
+  except ImportError:
+    with open("/proc/self/maps") as maps:
+      text = maps.read()
+    return next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in text), "system")
+  note = allocator.use(choice)
+  if note:
+    print(note, file=sys.stderr)
+  return allocator.in_use()
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
@@ -284,8 +300,13 @@ def main() -> None:
                       help="model.granularity values to run, one row each (adjacent)")
   parser.add_argument("--pin-threads", nargs="+", default=["off"], choices=["on", "off"],
                       help="layup.pin_host_threads values to run, one row each (adjacent)")
+  parser.add_argument("--allocator", default="auto", choices=("auto", "tcmalloc", "jemalloc",
+                                                                "system"),
+                      help="the host's malloc (config.host_allocator): the script starts again "
+                           "under it (layup_jax/allocator.py)")
   parser.add_argument("--out", default="bench_host.json")
   args = parser.parse_args()
+  host_allocator = use_allocator(args.allocator)
 
   rows = []
   fused = {}
@@ -297,11 +318,13 @@ def main() -> None:
       row = bench(case, algorithm, args.num_devices, args.steps, args.repeats, per_group,
                   fuse == "on", thread == "on", granularity, pin)
       row["fused_step_ms"] = fused[case]
+      row["host_allocator"] = host_allocator
       rows.append(row)
       print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
 
   fmt = lambda v, spec: "-" if v is None else format(v, spec)
-  print(f"\n{'case':<16}{'algorithm':<11}{'stages':>7}{'fused':>6}{'upd.th':>7}"
+  print(f"\nhost allocator: {host_allocator}")
+  print(f"{'case':<16}{'algorithm':<11}{'stages':>7}{'fused':>6}{'upd.th':>7}"
         f"{'host ms/it':>11}{'serial':>8}{'threads':>8}"
         f"{'cpu ms/it':>10}"
         f"{'launches':>9}{'transfers':>10}{'ceiling/s':>10}{'A100/s':>8}{'budget ms':>10}"

@@ -78,6 +78,8 @@ def test_the_default_config_is_valid(tiny_config):
     ("--config.num_devices=abc", "error: flag --config.num_devices=abc: invalid literal"),
     ("--config.optimizer.learning_rate=-1",
      "error: config.optimizer.learning_rate=-1.0: must be >= 0"),
+    ("--config.host_allocator=mimalloc",
+     "error: config.host_allocator=mimalloc: must be one of auto, tcmalloc, jemalloc, system"),
 ])
 def test_the_cli_reports_a_bad_override_in_one_line(tmp_path, override, message):
   result = subprocess.run(
