@@ -12,6 +12,7 @@ them. A leaf: no jax, nothing of the project.
 """
 
 import ctypes.util
+import glob
 import os
 import sys
 
@@ -34,7 +35,14 @@ def in_use(maps_path: str = "/proc/self/maps") -> str:
 
 
 def library(name: str) -> str | None:
-  """The shared library of allocator `name` the dynamic linker would load, or None."""
+  """The shared library of allocator `name`, or None: the first in a folder of `LD_LIBRARY_PATH`
+  (an allocator installed outside the system's folders, e.g. in a conda environment), else the
+  one the dynamic linker's cache names."""
+  for folder in filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":")):
+    for lib in _LIBRARIES[name]:
+      found = sorted(glob.glob(os.path.join(glob.escape(folder), f"lib{lib}.so*")))
+      if found:
+        return found[0]
   return next(filter(None, (ctypes.util.find_library(lib) for lib in _LIBRARIES[name])), None)
 
 

@@ -37,6 +37,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import allocator_choice
 import bench_host
 import jax
 import optax
@@ -139,12 +140,10 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--alone", type=int, default=300, help="calls of each program alone")
   parser.add_argument("--updater-thread", nargs="+", default=["on", "off"], choices=["on", "off"])
-  parser.add_argument("--allocator", default="auto",
-                      choices=("auto", "tcmalloc", "jemalloc", "system"),
-                      help="the host's malloc (config.host_allocator; bench_host.use_allocator)")
+  allocator_choice.add_option(parser)
   parser.add_argument("--out", default="bench_dispatch.json")
   args = parser.parse_args()
-  host_allocator = bench_host.use_allocator(args.allocator)
+  host_allocator = allocator_choice.use(args.allocator)
 
   runs = collections.defaultdict(list)
   for r in range(args.repeats):

@@ -7,6 +7,9 @@
 #               cores are not shared with the device work, as they are on a 2-core machine); this
 #               tree with and without the updater thread and the pinned threads, in two rounds
 #               (the second in the other order); with PER_LAYER=1 also at per_layer granularity
+#   allocator   with ALLOCATOR=1: bench_host and bench_step under the C library's malloc
+#               (`--allocator system`) beside the default (TCMalloc where found; a copy carried
+#               as .whl/libtcmalloc_minimal.so.4 is found through LD_LIBRARY_PATH)
 #   bench_dispatch  with DISPATCH=1: each program's dispatch cost inside a run against alone, on
 #               the same fake devices (is the 2-core machine's 1.5-3.8x the CPU client's?)
 # for this tree and, given BEFORE (another checkout of the project), for that one too, with this
@@ -23,10 +26,13 @@ out=$(cd "${OUT:-bench_gpu_out}" && pwd)
 before="${1:-}"
 trees=(".")
 if [[ -n "$before" ]]; then
-  cp scripts/bench_host.py scripts/bench_step.py "$before/scripts/"
+  cp scripts/bench_host.py scripts/bench_step.py scripts/allocator_choice.py "$before/scripts/"
   trees+=("$before")
 fi
 export PYTHONUNBUFFERED=1
+if [[ -f .whl/libtcmalloc_minimal.so.4 ]]; then  # an image without TCMalloc: the carried copy
+  export LD_LIBRARY_PATH="$PWD/.whl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 run() {  # name limit command...
   local name=$1 limit=$2
   shift 2
@@ -55,6 +61,11 @@ fi
 host after_round2 110 --updater-thread on --pin-threads on off
 if [[ "${PER_LAYER:-0}" == 1 ]]; then
   host after_per_layer 110 --granularity per_layer  # 60 s ran out compiling (2026-11-28)
+fi
+if [[ "${ALLOCATOR:-0}" == 1 ]]; then
+  host allocator_system 110 --updater-thread on off --allocator system
+  run step_system 200 python3 scripts/bench_step.py --cases resnet18-cifar-b128 \
+    --sides runtime fused --repeats 5 --allocator system --out "$out/bench_step_system.json"
 fi
 if [[ "${DISPATCH:-0}" == 1 ]]; then
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \

@@ -36,7 +36,9 @@ pipeline's budget (`scripts/bench_input.py`), not this one. Latency sampling is 
 `--stages-per-group` runs the model with consecutive stages grouped (`model.stages_per_group`):
 fewer, larger stages, so fewer programs, sends and merges per iteration. `--fuse-local-step on
 off` runs each algorithm with and without the local step in the backward's program
-(`layup.fuse_local_step`), one row after the other.
+(`layup.fuse_local_step`), one row after the other. `--allocator system` runs the script under
+the C library's malloc; the default, `auto`, starts it again under TCMalloc or jemalloc where
+one is installed, as `python -m layup_jax.train` does (`host_allocator`, docs/host.md).
 """
 
 import argparse
@@ -52,7 +54,9 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import allocator_choice
 import jax
 import numpy as np
 import optax
@@ -266,22 +270,6 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
   }
 
 
-def use_allocator(choice: str) -> str:
-  """Starts this script again under the allocator `choice` (`layup_jax.allocator.use`) unless it
-  runs under it; returns the one in use. An older checkout measured with this script
-  (`scripts/bench_gpu.sh BEFORE`) has no allocator module: it runs as it was started."""
-  try:
-    from layup_jax import allocator
-  except ImportError:
-    with open("/proc/self/maps") as maps:
-      text = maps.read()
-    return next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in text), "system")
-  note = allocator.use(choice)
-  if note:
-    print(note, file=sys.stderr)
-  return allocator.in_use()
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
@@ -300,13 +288,10 @@ def main() -> None:
                       help="model.granularity values to run, one row each (adjacent)")
   parser.add_argument("--pin-threads", nargs="+", default=["off"], choices=["on", "off"],
                       help="layup.pin_host_threads values to run, one row each (adjacent)")
-  parser.add_argument("--allocator", default="auto", choices=("auto", "tcmalloc", "jemalloc",
-                                                                "system"),
-                      help="the host's malloc (config.host_allocator): the script starts again "
-                           "under it (layup_jax/allocator.py)")
+  allocator_choice.add_option(parser)
   parser.add_argument("--out", default="bench_host.json")
   args = parser.parse_args()
-  host_allocator = use_allocator(args.allocator)
+  host_allocator = allocator_choice.use(args.allocator)
 
   rows = []
   fused = {}

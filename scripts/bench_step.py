@@ -31,7 +31,9 @@ import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import allocator_choice
 import jax
 import numpy as np
 
@@ -235,8 +237,10 @@ def main() -> None:
                       help="iterations per timed repeat (default: the case's own)")
   parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES,
                       help="which ways of running the step to time (fused is always timed)")
+  allocator_choice.add_option(parser)
   parser.add_argument("--out", default="bench_step.json")
   args = parser.parse_args()
+  host_allocator = allocator_choice.use(args.allocator)
 
   sides = set(args.sides) | {"fused"}
   rows = [bench_case(case, args.repeats, args.iters, sides) for case in args.cases]
@@ -273,10 +277,11 @@ def main() -> None:
   iterations = ", ".join(f"{r['case']} {r['iters']}" for r in rows)
   print(f"(throughput ratio: median over {args.repeats} repeats of the ratio within a repeat, "
         f"{iterations} iterations each; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs "
-        f"leave out library calls such as cuDNN convolutions)")
+        f"leave out library calls such as cuDNN convolutions; host allocator {host_allocator})")
   with open(args.out, "w") as f:
     json.dump({**provenance.stamp(), "platform": platform.platform(), "jax": jax.__version__,
-               "command": "python scripts/bench_step.py " + " ".join(sys.argv[1:]), "rows": rows},
+               "command": "python scripts/bench_step.py " + " ".join(sys.argv[1:]),
+               "host_allocator": host_allocator, "rows": rows},
               f, indent=2)
 
 

@@ -58,6 +58,14 @@ def test_the_allocator_is_preloaded_before_what_the_user_preloads():
       "jemalloc", "libjemalloc.so.2", {})
 
 
+def test_an_allocator_on_the_library_path_is_found_before_the_system_one(tmp_path, monkeypatch):
+  (tmp_path / "libjemalloc.so.2").write_bytes(b"")
+  monkeypatch.setenv("LD_LIBRARY_PATH", f"/nonexistent:{tmp_path}")
+  assert allocator.library("jemalloc") == str(tmp_path / "libjemalloc.so.2")
+  monkeypatch.setenv("LD_LIBRARY_PATH", "/nonexistent")
+  assert allocator.library("jemalloc") != str(tmp_path / "libjemalloc.so.2")
+
+
 def test_auto_starts_the_same_command_again_under_the_first_allocator_found(recorded_exec,
                                                                            monkeypatch):
   found = {"tcmalloc": None, "jemalloc": "libjemalloc.so.2"}
