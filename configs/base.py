@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_devices = 8
   config.seed = 0  # seeds parameters, data order, peer choice and dropout
   # The host's malloc: "auto" (default) starts `python -m layup_jax.train` again under TCMalloc,
-  # else jemalloc, when one is installed (Debian: libtcmalloc-minimal4, libjemalloc2): 20-30 %
+  # else jemalloc, when one is installed (Debian: libtcmalloc-minimal4, libjemalloc2): 10-23 %
   # less host time per stage dispatched (docs/host.md "The allocator"); "tcmalloc", "jemalloc"
   # (an error if missing), "system" (the C library's).
   config.host_allocator = "auto"

@@ -3,9 +3,9 @@
 Every dispatch of a stage program allocates and frees small host objects (the buffers' records,
 their events, the arrays' Python wrappers), many freed by XLA's threads rather than the thread
 that allocated them. With glibc's malloc that was a fifth of the dispatching thread's CPU time
-(`malloc_consolidate`, `unlink_chunk`, `_int_free` in a profile), and a run of the ResNet-18
-structure took 20-30 % more host time per device-iteration than under TCMalloc or jemalloc
-(docs/host.md "The allocator"). An allocator can only replace malloc from the process's start
+(`malloc_consolidate`, `unlink_chunk`, `_int_free` in a profile), and under TCMalloc a run of
+the ResNet-18 structure took 10 % less host time per device-iteration with the updater thread,
+23 % less on one thread (docs/host.md "The allocator"). An allocator can only replace malloc from the process's start
 (`LD_PRELOAD`), so `use` starts the process again, once, under the one chosen
 (`config.host_allocator`); the Debian packages `libtcmalloc-minimal4` and `libjemalloc2` provide
 them. A leaf: no jax, nothing of the project.
@@ -74,8 +74,8 @@ def use(choice: str, argv: list[str] | None = None) -> str | None:
       raise ValueError(f"config.host_allocator={choice}: no lib{choice} found; install it "
                        f"(apt-get install {_PACKAGES[choice]}) or choose auto or system")
     return (f"host allocator: the system's malloc (no TCMalloc or jemalloc found; `apt-get "
-            f"install {_PACKAGES['tcmalloc']}` takes a fifth off the host's time per stage, "
-            f"docs/host.md; --config.host_allocator=system silences this line)")
+            f"install {_PACKAGES['tcmalloc']}` takes a tenth to a quarter off the host's time per "
+            f"stage, docs/host.md; --config.host_allocator=system silences this line)")
   name, lib = found
   sys.stdout.flush()
   sys.stderr.flush()
