@@ -12,7 +12,9 @@ exists is skipped, so an interrupted sweep continues where it stopped, and sweep
 algorithms, seeds or delays can add runs to the same workdir. `WORKDIR/sweep.json` records the
 commands, the machine and the date; `scripts/report.py` turns the workdir into tables and
 figures. Checkpoints are off (saves stay out of the timings) and a persistent compilation
-cache keeps repeated compilations out of the start-up.
+cache keeps repeated compilations out of the start-up. Like `python -m layup_jax.train`, the
+sweep starts itself again under TCMalloc or jemalloc when one is installed (`host_allocator`,
+which `--set host_allocator=system` turns off; each run's `summary.json` says which ran).
 
 `--straggler-mode device` delays device 0's *device* instead (a delay program per iteration while
 its host thread goes on, `straggler.mode=device`): those runs go to `delay<d>-device`. An
@@ -42,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 import jax
 import ml_collections
 
-from layup_jax import algorithms, provenance, runner
+from layup_jax import algorithms, allocator, provenance, runner
 
 # Each method as the paper's comparisons run it, where it differs from the config: DiLoCo's
 # inner optimizer is AdamW (its paper) and it averages every `tau` steps. A value the config
@@ -160,7 +162,13 @@ def main() -> None:
 
   module = load_config_module(args.config)
   overrides = [parse_assignment(assignment) for assignment in args.set]
-  run_config(module, overrides, args.algorithms[0], 0, 0)  # a bad --set fails before any run
+  first = run_config(module, overrides, args.algorithms[0], 0, 0)  # a bad --set fails here
+  try:  # the sweep starts again under TCMalloc, as `python -m layup_jax.train` does
+    note = allocator.use(first.host_allocator)
+  except ValueError as error:
+    sys.exit(f"error: {error}")
+  if note:
+    print(note, file=sys.stderr)
   workdir = pathlib.Path(args.workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", str(workdir / "jax_cache"))
