@@ -5,10 +5,10 @@ their events, the arrays' Python wrappers), many freed by XLA's threads rather t
 that allocated them. With glibc's malloc that was a fifth of the dispatching thread's CPU time
 (`malloc_consolidate`, `unlink_chunk`, `_int_free` in a profile), and under TCMalloc a run of
 the ResNet-18 structure took 10 % less host time per device-iteration with the updater thread,
-23 % less on one thread (docs/host.md "The allocator"). An allocator can only replace malloc from the process's start
-(`LD_PRELOAD`), so `use` starts the process again, once, under the one chosen
-(`config.host_allocator`); the Debian packages `libtcmalloc-minimal4` and `libjemalloc2` provide
-them. A leaf: no jax, nothing of the project.
+23 % less on one thread (docs/host.md "The allocator"). An allocator can only replace malloc
+from the process's start (`LD_PRELOAD`), so `use` starts the process again, once, under the one
+chosen (`config.host_allocator`); the Debian packages `libtcmalloc-minimal4` and `libjemalloc2`
+provide them. A leaf: no jax, nothing of the project.
 """
 
 import ctypes.util

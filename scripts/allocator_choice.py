@@ -9,7 +9,8 @@ runs as it was started, and the allocator it reports is read from the libraries 
 
 import sys
 
-CHOICES = ("auto", "tcmalloc", "jemalloc", "system")
+CHOICES = ("auto", "tcmalloc", "jemalloc", "system")  # layup_jax.allocator.CHOICES, which an
+# older checkout lacks (tests/test_allocator.py holds the two equal)
 
 
 def use(choice: str) -> str:

@@ -44,6 +44,15 @@ def test_the_allocator_in_use_is_read_from_the_libraries_the_process_mapped(tmp_
   assert allocator.in_use(str(maps)) == expected
 
 
+def test_the_benchmarks_offer_the_configs_choices():
+  sys.path.insert(0, os.path.join(ROOT, "scripts"))
+  try:
+    import allocator_choice
+  finally:
+    sys.path.remove(os.path.join(ROOT, "scripts"))
+  assert allocator_choice.CHOICES == allocator.CHOICES
+
+
 def test_the_allocator_is_preloaded_before_what_the_user_preloads():
   env = allocator.preload_environment("tcmalloc", "libtcmalloc_minimal.so.4",
                                       {"LD_PRELOAD": "libmine.so", "PATH": "/bin"})
