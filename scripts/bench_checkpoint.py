@@ -18,7 +18,9 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import allocator_choice
 import jax
 
 from configs import digits
@@ -31,8 +33,10 @@ def main() -> None:
   parser.add_argument("--every", type=int, default=50)
   parser.add_argument("--num-devices", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=3)
+  allocator_choice.add_option(parser)
   parser.add_argument("--out", default="bench_checkpoint.json")
   args = parser.parse_args()
+  host_allocator = allocator_choice.use(args.allocator)
   jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="layup_jax_cache_"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
@@ -73,8 +77,8 @@ def main() -> None:
     print(f"{algorithm:<10}{row['none_ms_per_step']:>14.2f}{row['every_ms_per_step']:>20.2f}"
           f"{row['ratio_median']:>8.3f}")
   with open(args.out, "w") as f:
-    json.dump({"table": table, "runs": runs, "devices": [str(d) for d in jax.devices()]}, f,
-              indent=2)
+    json.dump({"host_allocator": host_allocator, "table": table, "runs": runs,
+               "devices": [str(d) for d in jax.devices()]}, f, indent=2)
 
 
 if __name__ == "__main__":

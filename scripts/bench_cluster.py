@@ -96,7 +96,8 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
           "counted_bytes_per_iteration":
               summary.get("bytes_between_processes_per_device_iteration"),
           "link_bytes_per_iteration": sum(h["tx_bytes"] for h in links["links"]) / iterations,
-          "send_latency_ms": remote.get("median"), "send_latency_p90_ms": remote.get("p90")}
+          "send_latency_ms": remote.get("median"), "send_latency_p90_ms": remote.get("p90"),
+          "host_allocator": summary.get("host_allocator")}  # process 0's (each chooses alike)
 
 
 def main() -> None:

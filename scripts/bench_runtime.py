@@ -31,7 +31,9 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import allocator_choice
 import jax
 
 from configs import base, digits
@@ -99,8 +101,10 @@ def main() -> None:
   parser.add_argument("--ahead", nargs="*", type=int, default=[],
                       help="values of layup.max_dispatch_ahead to compare (digits)")
   parser.add_argument("--repeats", type=int, default=15, help="rounds of timed blocks")
+  allocator_choice.add_option(parser)
   parser.add_argument("--out", default="bench_runtime.json")
   args = parser.parse_args()
+  host_allocator = allocator_choice.use(args.allocator)
   jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="layup_jax_cache_"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
@@ -171,7 +175,8 @@ def main() -> None:
   print(f"(medians of {args.repeats} repeats, {jax.devices()[0].device_kind}, "
         f"jax {jax.__version__})")
   with open(args.out, "w") as f:
-    json.dump({**provenance.stamp(), "args": vars(args), "table": table, "gossip": gossip_rows,
+    json.dump({**provenance.stamp(), "args": vars(args), "host_allocator": host_allocator,
+               "table": table, "gossip": gossip_rows,
                "ahead": ahead_rows, "runs": runs, "ahead_runs": ahead_runs}, f, indent=2)
 
 

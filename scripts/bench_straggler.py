@@ -26,7 +26,9 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import allocator_choice
 import jax
 
 from configs import base
@@ -44,8 +46,10 @@ def main() -> None:
   parser.add_argument("--straggler", type=int, default=0)
   parser.add_argument("--num-steps", type=int, default=150)
   parser.add_argument("--repeats", type=int, default=3)
+  allocator_choice.add_option(parser)
   parser.add_argument("--out", default="bench_straggler.json")
   args = parser.parse_args()
+  host_allocator = allocator_choice.use(args.allocator)
 
   runs = []
   for repeat in range(args.repeats):
@@ -109,7 +113,8 @@ def main() -> None:
         f"{args.num_steps} steps, medians of {args.repeats} repeats, "
         f"{jax.devices()[0].device_kind})")
   with open(args.out, "w") as f:
-    json.dump({**provenance.stamp(), "args": vars(args), "table": table, "runs": runs}, f, indent=2)
+    json.dump({**provenance.stamp(), "args": vars(args), "host_allocator": host_allocator,
+               "table": table, "runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ def run_once(config: str, algorithm: str, overrides: list[str], workdir: str) ->
           "samples_per_s": summary["train_samples_per_s"],
           "accuracy": summary["final_eval_accuracy"], "compile_s": summary["compile_s"],
           "host_threads_cpu_s": summary.get("host_threads_cpu_s"),
+          "host_allocator": summary.get("host_allocator"),
           "process_s": time.perf_counter() - started}
 
 

@@ -21,7 +21,9 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import allocator_choice
 import jax
 
 from configs import digits
@@ -73,8 +75,10 @@ def main() -> None:
   parser.add_argument("--iterations", type=int, default=100, help="per device, traced")
   parser.add_argument("--no-gossip", action="store_true")
   parser.add_argument("--top", type=int, default=30)
+  allocator_choice.add_option(parser)
   parser.add_argument("--out", default="runs/profile")
   args = parser.parse_args()
+  host_allocator = allocator_choice.use(args.allocator)
   runtime, dataset = build(args.model, args.num_devices, not args.no_gossip)
   runtime.compile()
   warmup = 10 * args.num_devices
@@ -87,7 +91,7 @@ def main() -> None:
   if dataset is not None:
     dataset.close()
   print(f"{1e3 * seconds / args.iterations:.2f} ms per step while tracing "
-        f"({args.num_devices} devices, {args.model})")
+        f"({args.num_devices} devices, {args.model}, host allocator {host_allocator})")
   summarize(pathlib.Path(args.out), args.top)
 
 
