@@ -20,7 +20,10 @@ def use(choice: str) -> str:
     with open("/proc/self/maps") as maps:
       text = maps.read()
     return next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in text), "system")
-  note = allocator.use(choice)
+  try:
+    note = allocator.use(choice)
+  except ValueError as error:  # a named allocator that is not installed: one line, as train's
+    raise SystemExit(f"error: {error}") from None
   if note:
     print(note, file=sys.stderr)
   return allocator.in_use()
