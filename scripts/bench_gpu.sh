@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The GPU checks of the runtime's speed, in one run on a lent GPU machine (docs/host.md):
-#   bench_step  --cases resnet18-cifar-b128 gpt2-124m-bf16  the runtime (and the runtime with
-#               `max_dispatch_ahead=2`) against the fused step on the GPU, MFU
+#   bench_step  --cases resnet18-cifar-b128 gpt2-124m-bf16  the runtime (and the same stages
+#               dispatched serially from one thread) against the fused step on the GPU, MFU;
+#               STEP_SIDES overrides the sides (e.g. "runtime ahead2 fused"), STEP_ITERS the
+#               iterations per timed block (default: the case's own)
 #   bench_host  --cases resnet18-cifar --algorithms layup   the host's time per device-iteration on
 #               that machine's CPU cores (8 fake CPU devices: the host's dispatch cost where the
 #               cores are not shared with the device work, as they are on a 2-core machine); this
-#               tree with and without the updater thread and the pinned threads, in two rounds
-#               (the second in the other order); with PER_LAYER=1 also at per_layer granularity
-#   allocator   with ALLOCATOR=1: bench_host and bench_step under the C library's malloc
-#               (`--allocator system`) beside the default (TCMalloc where found; a copy carried
-#               as .whl/libtcmalloc_minimal.so.4 is found through LD_LIBRARY_PATH)
+#               tree with and without the updater thread, its two threads pinned to one core (what
+#               `layup.pin_host_threads="auto"` does on a GPU node), then the updater thread again
+#               as a second round; with PER_LAYER=1 also at per_layer granularity
+#   allocator   with ALLOCATOR=1: bench_host under the C library's malloc (`--allocator system`)
+#               between the two rounds under the default (TCMalloc where found; a copy carried as
+#               .whl/libtcmalloc_minimal.so.4 is found through LD_LIBRARY_PATH); with STEP_SYSTEM=1
+#               bench_step's ResNet-18 case under it too
 #   bench_dispatch  with DISPATCH=1: each program's dispatch cost inside a run against alone, on
 #               the same fake devices (is the 2-core machine's 1.5-3.8x the CPU client's?)
 # for this tree and, given BEFORE (another checkout of the project), for that one too, with this
@@ -48,24 +52,30 @@ host() {  # tag limit extra-arguments...: bench_host on ResNet-18's structure, 8
     run "host_$tag" "$limit" python3 scripts/bench_host.py --cases resnet18-cifar \
     --algorithms layup --repeats 5 --steps 15 "$@" --out "$out/bench_host_$tag.json"
 }
+step_iters=()
+if [[ -n "${STEP_ITERS:-}" ]]; then step_iters=(--iters "$STEP_ITERS"); fi
 for tree in "${trees[@]}"; do
   tag=$([[ "$tree" == "." ]] && echo after || echo before)
-  (cd "$tree" && run "step_$tag" 200 python3 scripts/bench_step.py \
-    --cases resnet18-cifar-b128 gpt2-124m-bf16 --sides runtime ahead2 fused --repeats 5 \
-    --out "$out/bench_step_$tag.json")
+  # shellcheck disable=SC2086  # STEP_SIDES is a list of words
+  (cd "$tree" && run "step_$tag" 180 python3 scripts/bench_step.py \
+    --cases resnet18-cifar-b128 gpt2-124m-bf16 --sides ${STEP_SIDES:-runtime staged fused} \
+    --repeats 7 "${step_iters[@]}" --out "$out/bench_step_$tag.json")
 done
-host after 220 --updater-thread on off --pin-threads off on
+host after 140 --updater-thread on off --pin-threads on
 if [[ -n "$before" ]]; then
   (cd "$before" && host before 60)  # an older checkout may know none of the options above
 fi
-host after_round2 110 --updater-thread on --pin-threads on off
+if [[ "${ALLOCATOR:-0}" == 1 ]]; then
+  host allocator_system 140 --updater-thread on off --pin-threads on --allocator system
+fi
+host after_round2 80 --updater-thread on --pin-threads on
 if [[ "${PER_LAYER:-0}" == 1 ]]; then
   host after_per_layer 110 --granularity per_layer  # 60 s ran out compiling (2026-11-28)
 fi
-if [[ "${ALLOCATOR:-0}" == 1 ]]; then
-  host allocator_system 110 --updater-thread on off --allocator system
-  run step_system 200 python3 scripts/bench_step.py --cases resnet18-cifar-b128 \
-    --sides runtime fused --repeats 5 --allocator system --out "$out/bench_step_system.json"
+if [[ "${STEP_SYSTEM:-0}" == 1 ]]; then
+  run step_system 150 python3 scripts/bench_step.py --cases resnet18-cifar-b128 \
+    --sides runtime fused --repeats 7 "${step_iters[@]}" --allocator system \
+    --out "$out/bench_step_system.json"
 fi
 if [[ "${DISPATCH:-0}" == 1 ]]; then
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
