@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of the runtime's speed, in one run on a lent GPU machine (docs/host.md):
 #   bench_step  --cases resnet18-cifar-b128 gpt2-124m-bf16  the runtime (and the same stages
-#               dispatched serially from one thread) against the fused step on the GPU, MFU;
-#               STEP_SIDES overrides the sides (e.g. "runtime ahead2 fused"), STEP_ITERS the
-#               iterations per timed block (default: the case's own)
+#               dispatched serially from one thread) against the fused step on the GPU, MFU,
+#               and one traced block of each (`--trace`: the GPU's busy time and kernels per
+#               iteration); STEP_SIDES overrides the sides (e.g. "runtime ahead2 fused"),
+#               STEP_ITERS the iterations per timed block (default: the case's own)
 #   bench_host  --cases resnet18-cifar --algorithms layup   the host's time per device-iteration on
 #               that machine's CPU cores (8 fake CPU devices: the host's dispatch cost where the
 #               cores are not shared with the device work, as they are on a 2-core machine); this
@@ -14,6 +15,13 @@
 #               between the two rounds under the default (TCMalloc where found; a copy carried as
 #               .whl/libtcmalloc_minimal.so.4 is found through LD_LIBRARY_PATH); with STEP_SYSTEM=1
 #               bench_step's ResNet-18 case under it too
+#   GPU client  with GPU_CLIENT=1: bench_host with one device on the GPU's own client and on
+#               the CPU client of the same host (what a dispatch costs there, docs/host.md)
+#   command buffers  with CMDBUF=1: the GPU client's bench_host and bench_step's ResNet-18 case
+#               under XLA's default command buffers, with graphs of any size
+#               (--xla_gpu_graph_min_graph_size=1) and with none (--xla_gpu_enable_command_buffer=)
+#   DEFAULTS=0  leaves out bench_step and bench_host above (the device tool brings back 8 files:
+#               CMDBUF=1 alone writes 7)
 #   bench_dispatch  with DISPATCH=1: each program's dispatch cost inside a run against alone, on
 #               the same fake devices (is the 2-core machine's 1.5-3.8x the CPU client's?)
 # for this tree and, given BEFORE (another checkout of the project), for that one too, with this
@@ -54,12 +62,14 @@ host() {  # tag limit extra-arguments...: bench_host on ResNet-18's structure, 8
 }
 step_iters=()
 if [[ -n "${STEP_ITERS:-}" ]]; then step_iters=(--iters "$STEP_ITERS"); fi
+if [[ "${DEFAULTS:-1}" == 1 ]]; then  # DEFAULTS=0: only the extras asked for below
 for tree in "${trees[@]}"; do
   tag=$([[ "$tree" == "." ]] && echo after || echo before)
   # shellcheck disable=SC2086  # STEP_SIDES is a list of words
   (cd "$tree" && run "step_$tag" 180 python3 scripts/bench_step.py \
     --cases resnet18-cifar-b128 gpt2-124m-bf16 --sides ${STEP_SIDES:-runtime staged fused} \
-    --repeats 7 "${step_iters[@]}" --out "$out/bench_step_$tag.json")
+    --repeats 7 "${step_iters[@]}" --trace "/tmp/bench_gpu_trace_$tag" \
+    --out "$out/bench_step_$tag.json")
 done
 host after 140 --updater-thread on off --pin-threads on
 if [[ -n "$before" ]]; then
@@ -69,6 +79,7 @@ if [[ "${ALLOCATOR:-0}" == 1 ]]; then
   host allocator_system 140 --updater-thread on off --pin-threads on --allocator system
 fi
 host after_round2 80 --updater-thread on --pin-threads on
+fi
 if [[ "${PER_LAYER:-0}" == 1 ]]; then
   host after_per_layer 110 --granularity per_layer  # 60 s ran out compiling (2026-11-28)
 fi
@@ -76,6 +87,26 @@ if [[ "${STEP_SYSTEM:-0}" == 1 ]]; then
   run step_system 150 python3 scripts/bench_step.py --cases resnet18-cifar-b128 \
     --sides runtime fused --repeats 7 "${step_iters[@]}" --allocator system \
     --out "$out/bench_step_system.json"
+fi
+gpu_host() {  # tag limit extra-arguments...: bench_host with one device of the default client
+  local tag=$1 limit=$2
+  shift 2
+  run "host_$tag" "$limit" python3 scripts/bench_host.py --num-devices 1 --cases resnet18-cifar \
+    --algorithms layup --repeats 5 --steps 40 --pin-threads on "$@" --out "$out/bench_host_$tag.json"
+}
+if [[ "${GPU_CLIENT:-0}" == 1 ]]; then
+  XLA_FLAGS= gpu_host gpu1 110 --updater-thread on off
+  JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=1 \
+    gpu_host cpu1 80 --updater-thread on off
+fi
+if [[ "${CMDBUF:-0}" == 1 ]]; then
+  for variant in default:"" min1:--xla_gpu_graph_min_graph_size=1 \
+      none:--xla_gpu_enable_command_buffer=; do
+    XLA_FLAGS="${variant#*:}" gpu_host "gpu1_cmdbuf_${variant%%:*}" 80 --updater-thread on
+    XLA_FLAGS="${variant#*:}" run "step_cmdbuf_${variant%%:*}" 120 python3 scripts/bench_step.py \
+      --cases resnet18-cifar-b128 --sides runtime staged fused --repeats 5 \
+      --out "$out/bench_step_cmdbuf_${variant%%:*}.json"
+  done
 fi
 if [[ "${DISPATCH:-0}" == 1 ]]; then
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \

@@ -17,17 +17,29 @@ each ratio is measured side by side; medians of the per-round ratios are reporte
 iteration come from XLA's `compiled.cost_analysis()` (summed over the stage functions for the
 staged step); MFU is given where the device's peak is known.
 
+`--trace DIR` then runs each side once more for a block inside `jax.profiler.trace` (no Python
+tracer) and reads the trace back: per process of the trace (on a GPU, the device's own
+"/device:GPU:0" besides the host's) the time its events cover per iteration (their union) and
+how many there are (on a GPU, kernels), and its events with the most time. On a GPU that says
+where the staged step's device time goes against the fused step's, which the wall times alone
+cannot (docs/host.md, "On a GPU node").
+
   python scripts/bench_step.py --cases digits resnet18-cifar gpt2-tiny --out bench_step.json
   python scripts/bench_step.py --cases gpt2-124m-bf16     # on a GPU
+  python scripts/bench_step.py --cases resnet18-cifar-b128 --sides staged fused --trace /tmp/tr
 """
 
 import argparse
+import collections
 import functools
+import gzip
 import json
 import os
+import pathlib
 import platform
 import statistics
 import sys
+from collections.abc import Callable
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -122,7 +134,61 @@ def clocked_block(runtime: AsyncRuntime, iters: int, log: list) -> float:
   return seconds
 
 
-def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
+def covered_us(spans: list[tuple[float, float]]) -> float:
+  """Microseconds covered by the union of (start, duration) spans: a device's busy time, where
+  its streams' events may overlap."""
+  total, end = 0.0, float("-inf")
+  for start, duration in sorted(spans):
+    stop = start + duration
+    if stop > end:
+      total += stop - max(start, end)
+      end = stop
+  return total
+
+
+def trace_summary(trace_dir: pathlib.Path, iters: int, top: int = 8) -> dict:
+  """Per process of the newest perfetto trace under `trace_dir`: milliseconds per iteration its
+  events cover, events per iteration, and its `top` event names by total time (ms and count per
+  iteration)."""
+  path = max(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"), key=os.path.getmtime)
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  spans, by_name = collections.defaultdict(list), collections.defaultdict(collections.Counter)
+  counts = collections.defaultdict(collections.Counter)
+  for e in events:
+    if e.get("ph") == "X":
+      process = names.get(e["pid"], str(e["pid"]))
+      spans[process].append((e["ts"], e.get("dur", 0.0)))
+      by_name[process][e["name"][:80]] += e.get("dur", 0.0)
+      counts[process][e["name"][:80]] += 1
+  return {process: {"busy_ms_per_iteration": covered_us(spans[process]) / 1e3 / iters,
+                    "events_per_iteration": len(spans[process]) / iters,
+                    "top": [[name, us / 1e3 / iters, counts[process][name] / iters]
+                            for name, us in by_name[process].most_common(top)]}
+          for process in spans}
+
+
+def traced(block: Callable[[], float], trace_dir: pathlib.Path, iters: int) -> dict:
+  """`block` (one timed block of `iters` iterations) inside a profiler trace without the Python
+  tracer, summarised by `trace_summary`; a profiler that fails (no CUPTI on the machine, say)
+  gives its error instead, after the timed rounds have their figures."""
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  try:
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True,
+                            profiler_options=options):
+      block()
+    return trace_summary(trace_dir, iters)
+  except Exception as error:  # noqa: BLE001 - reported in the output, the timings kept
+    return {"error": {"busy_ms_per_iteration": float("nan"), "events_per_iteration": 0,
+                      "top": [[f"{type(error).__name__}: {error}"[:200], 0.0, 0.0]]}}
+
+
+def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
+               trace_dir: pathlib.Path | None = None) -> dict:
   config, extras = case_config(case)
   iters = iters or extras["iters"]
   device = jax.devices()[0]
@@ -183,6 +249,8 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
             "fused": lambda: serial_block(fused_iteration, iters)}
   blocks = {side: block for side, block in blocks.items() if side in sides}
   times = interleaved(blocks, repeats, {side: iters for side in blocks})
+  traces = ({side: traced(block, trace_dir / case / side, iters) for side, block in blocks.items()}
+            if trace_dir is not None else {})
   for side in SIDES:  # a side not run reads as NaN
     times.setdefault(side, [float("nan")])
   runtime_times, staged_times = times["runtime"], times["staged"]
@@ -225,6 +293,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES) -> dict:
       "staged_ms_all": [1e3 * t for t in staged_times],
       "pytrees_ms_all": [1e3 * t for t in pytree_times],
       "fused_ms_all": [1e3 * t for t in fused_times],
+      "traces": traces,
   }
 
 
@@ -237,13 +306,16 @@ def main() -> None:
                       help="iterations per timed repeat (default: the case's own)")
   parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES,
                       help="which ways of running the step to time (fused is always timed)")
+  parser.add_argument("--trace", type=pathlib.Path, default=None, metavar="DIR",
+                      help="after the timed rounds, trace one block of each side into DIR and "
+                           "report each trace's processes (on a GPU, the device's kernels)")
   allocator_choice.add_option(parser)
   parser.add_argument("--out", default="bench_step.json")
   args = parser.parse_args()
   host_allocator = allocator_choice.use(args.allocator)
 
   sides = set(args.sides) | {"fused"}
-  rows = [bench_case(case, args.repeats, args.iters, sides) for case in args.cases]
+  rows = [bench_case(case, args.repeats, args.iters, sides, args.trace) for case in args.cases]
   mfu = lambda v: f"{100 * v:.1f}%" if v is not None else "-"
   print(f"{'case':<16}{'stages':>7}{'batch':>6}{'fused ms':>10}{'runtime ms':>12}{'ahead2 ms':>10}"
         f"{'unfused ms':>11}{'serial ms':>11}{'pytrees ms':>12}   throughput vs fused: runtime"
@@ -274,6 +346,12 @@ def main() -> None:
                   f"{b['wall_ms']:.1f} ({b['dispatcher_cpu_ms']:.1f} / "
                   f"{b['dispatcher_idle_ms']:.1f} / {b['dispatcher_turn_wait_ms']:.1f})"
                   for b in r[blocks]))
+  for r in rows:  # the traced blocks: per side and process, busy ms and events per iteration
+    for side, processes in r["traces"].items():
+      for process, summary in sorted(processes.items()):
+        print(f"{r['case']} {side} trace, {process[:40]}: {summary['busy_ms_per_iteration']:.2f} "
+              f"ms covered, {summary['events_per_iteration']:.0f} events per iteration; top: "
+              + "; ".join(f"{name[:40]} {ms:.2f} ms x{n:.0f}" for name, ms, n in summary["top"][:3]))
   iterations = ", ".join(f"{r['case']} {r['iters']}" for r in rows)
   print(f"(throughput ratio: median over {args.repeats} repeats of the ratio within a repeat, "
         f"{iterations} iterations each; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs "
