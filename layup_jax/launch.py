@@ -6,9 +6,11 @@
 Each process runs `python -m layup_jax.train` with the arguments after `--` and the
 `config.distributed` keys of its place (coordinator 127.0.0.1 on a free port, its process id).
 On CPU each process gets `--devices-per-process` fake devices (`num_devices` counts all of
-them); on GPUs a process takes the GPUs it sees (give each its own with CUDA_VISIBLE_DEVICES
-when starting processes by hand; on a cluster start one process per host or per GPU with the
-same keys, see the README). Process 0's output is shown as is, the others' prefixed `[pK]`.
+them); on an NVIDIA host each gets its own `--devices-per-process` GPUs through
+CUDA_VISIBLE_DEVICES (process k the k-th group of those this launcher sees), since a process
+of a distributed JAX run otherwise takes every GPU it sees. (When starting processes by hand,
+give each its own the same way; on a cluster start one process per host or per GPU with the
+same keys, see the README.) Process 0's output is shown as is, the others' prefixed `[pK]`.
 When one process fails, the others are stopped and the launcher exits with its status; with
 `--keep-going`, a process other than 0 that fails is reported and the others go on (a gossip
 run trains on without it, docs/elastic.md; a DDP or periodic run stops itself in one line);
@@ -48,6 +50,31 @@ def environment(devices_per_process: int) -> dict[str, str]:
           .strip()}
 
 
+def visible_gpus(environ: dict[str, str], driver_dir: str = "/proc/driver/nvidia/gpus"
+                 ) -> list[str] | None:
+  """The GPUs this launcher hands out: CUDA_VISIBLE_DEVICES's entries where it is set, else one
+  index per GPU the NVIDIA driver lists; None where there are none (a CPU run)."""
+  if "CUDA_VISIBLE_DEVICES" in environ:
+    listed = [g.strip() for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    return listed or None
+  count = len(os.listdir(driver_dir)) if os.path.isdir(driver_dir) else 0
+  return [str(i) for i in range(count)] or None
+
+
+def gpu_groups(processes: int, devices_per_process: int, gpus: list[str] | None
+               ) -> list[str | None]:
+  """Each process's CUDA_VISIBLE_DEVICES (None: left as it is, a CPU run); too few GPUs stop
+  the launch in one line."""
+  if gpus is None:
+    return [None] * processes
+  needed = processes * devices_per_process
+  if needed > len(gpus):
+    raise SystemExit(f"launch: {processes} processes x {devices_per_process} devices need "
+                     f"{needed} GPUs; {len(gpus)} are visible ({','.join(gpus)})")
+  return [",".join(gpus[k * devices_per_process:(k + 1) * devices_per_process])
+          for k in range(processes)]
+
+
 def _shell_status(returncode: int) -> int:
   """A child's exit status as a shell reports it (128 + N for a process killed by signal N)."""
   return returncode if returncode >= 0 else 128 - returncode
@@ -66,12 +93,14 @@ def run(processes: int, devices_per_process: int, train_args: list[str],
   the launcher's status is then process 0's, or a later failure's). `restarts`: such a process
   is also started again, at most that many times, while process 0 runs."""
   env = environment(devices_per_process)
+  gpus = gpu_groups(processes, devices_per_process, visible_gpus(env))
   keep_going = keep_going or restarts > 0
   every = commands(processes, free_port(), train_args)
   relays: list[threading.Thread] = []
 
   def start(k: int) -> subprocess.Popen:
-    child = subprocess.Popen(every[k], env=env, stdout=subprocess.PIPE,
+    mine = env if gpus[k] is None else {**env, "CUDA_VISIBLE_DEVICES": gpus[k]}
+    child = subprocess.Popen(every[k], env=mine, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, bufsize=1)
     relay = threading.Thread(target=_relay, args=(child, f"[p{k}] " if k else ""), daemon=True)
     relay.start()
@@ -128,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
                   "runtime; the arguments after -- go to python -m layup_jax.train.")
   parser.add_argument("--processes", type=int, required=True)
   parser.add_argument("--devices-per-process", type=int, default=4,
-                      help="fake CPU devices per process (CPU runs only)")
+                      help="devices per process: fake CPU devices, or on an NVIDIA host "
+                           "its own GPUs (CUDA_VISIBLE_DEVICES)")
   parser.add_argument("--keep-going", action="store_true",
                       help="a process other than 0 that fails does not stop the others (a "
                            "gossip run trains on without it)")

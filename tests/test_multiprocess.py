@@ -17,7 +17,7 @@ from configs import base, digits
 from layup_jax import crossprocess, distributed, launch, models, runner, traffic
 from layup_jax.data.digits import load_digits
 from layup_jax.errors import ConfigError
-from layup_jax.launch import commands, environment, free_port
+from layup_jax.launch import commands, environment, free_port, gpu_groups, visible_gpus
 from layup_jax.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -337,6 +337,23 @@ def test_the_launcher_gives_each_process_its_place_and_its_devices():
   flags = environment(4)["XLA_FLAGS"].split()
   assert flags.count("--xla_force_host_platform_device_count=4") == 1
   assert not any(f.endswith("=8") for f in flags)
+
+
+def test_the_launcher_gives_each_process_its_own_gpus(tmp_path):
+  """A process of a distributed JAX run takes every GPU it sees, so each gets its own group."""
+  assert gpu_groups(2, 4, [str(i) for i in range(8)]) == ["0,1,2,3", "4,5,6,7"]
+  assert gpu_groups(3, 1, ["2", "5", "7", "9"]) == ["2", "5", "7"]
+  assert gpu_groups(2, 4, None) == [None, None]  # no GPU: a CPU run, the environment as it is
+  with pytest.raises(SystemExit, match="2 processes x 4 devices need 8 GPUs; 4 are visible"):
+    gpu_groups(2, 4, ["0", "1", "2", "3"])
+  driver = tmp_path / "gpus"
+  assert visible_gpus({}, str(driver)) is None  # no NVIDIA driver
+  driver.mkdir()
+  for bus in ("0000:18:00.0", "0000:2a:00.0"):
+    (driver / bus).mkdir()
+  assert visible_gpus({}, str(driver)) == ["0", "1"]
+  assert visible_gpus({"CUDA_VISIBLE_DEVICES": "3, 1"}, str(driver)) == ["3", "1"]
+  assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, str(driver)) is None
 
 
 def test_the_launcher_starts_a_killed_process_again_while_process_0_runs(monkeypatch, tmp_path,
