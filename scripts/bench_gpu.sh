@@ -102,9 +102,10 @@ fi
 if [[ "${CMDBUF:-0}" == 1 ]]; then
   for variant in default:"" min1:--xla_gpu_graph_min_graph_size=1 \
       none:--xla_gpu_enable_command_buffer=; do
-    XLA_FLAGS="${variant#*:}" gpu_host "gpu1_cmdbuf_${variant%%:*}" 80 --updater-thread on
-    XLA_FLAGS="${variant#*:}" run "step_cmdbuf_${variant%%:*}" 120 python3 scripts/bench_step.py \
-      --cases resnet18-cifar-b128 --sides runtime staged fused --repeats 5 \
+    XLA_FLAGS="${variant#*:}" gpu_host "gpu1_cmdbuf_${variant%%:*}" 60 --updater-thread on
+    XLA_FLAGS="${variant#*:}" run "step_cmdbuf_${variant%%:*}" 100 python3 scripts/bench_step.py \
+      --cases resnet18-cifar-b128 --sides runtime fused --repeats 5 \
+      --trace "/tmp/bench_gpu_trace_cmdbuf_${variant%%:*}" \
       --out "$out/bench_step_cmdbuf_${variant%%:*}.json"
   done
 fi
