@@ -20,6 +20,9 @@
 #   command buffers  with CMDBUF=1: the GPU client's bench_host and bench_step's ResNet-18 case
 #               under XLA's default command buffers, with graphs of any size
 #               (--xla_gpu_graph_min_graph_size=1) and with none (--xla_gpu_enable_command_buffer=)
+#   remat       with REMAT=1: bench_step's runtime with `layup.remat="none"` beside the default
+#               ("dots") and the fused step, both cases (is the staged step's device time on the
+#               GPU the backward's recomputation?)
 #   DEFAULTS=0  leaves out bench_step and bench_host above (the device tool brings back 8 files:
 #               CMDBUF=1 alone writes 7)
 #   bench_dispatch  with DISPATCH=1: each program's dispatch cost inside a run against alone, on
@@ -108,6 +111,10 @@ if [[ "${CMDBUF:-0}" == 1 ]]; then
       --trace "/tmp/bench_gpu_trace_cmdbuf_${variant%%:*}" \
       --out "$out/bench_step_cmdbuf_${variant%%:*}.json"
   done
+fi
+if [[ "${REMAT:-0}" == 1 ]]; then
+  run step_remat 180 python3 scripts/bench_step.py --cases resnet18-cifar-b128 gpt2-124m-bf16 \
+    --sides runtime noremat fused --repeats 5 --out "$out/bench_step_remat.json"
 fi
 if [[ "${DISPATCH:-0}" == 1 ]]; then
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \

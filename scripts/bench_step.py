@@ -6,6 +6,9 @@ the loss every iteration. Staged, three ways, all on one device without a peer:
             flat vector each (the default); iterations run back to back, as in training.
   ahead2:   the runtime with `layup.max_dispatch_ahead=2`: the compute task dispatches the next
             iteration before reading the last one's loss (the default, 1, reads it first).
+  noremat:  the runtime with `layup.remat="none"`: a stage's forward keeps every residual for
+            its backward (the default, "dots", keeps the matrix products' and convolutions'
+            outputs and recomputes the elementwise work; the fused step recomputes nothing)
   unfused:  the runtime with `layup.fuse_local_step=False`: the updater thread applies each
             gradient in a program of its own instead of the backward's program applying it.
   serial:   the same per-stage functions dispatched from one thread (`iterate_serial`: forwards
@@ -113,7 +116,7 @@ def transformer_flops(config, params, batch: int, seq_len: int) -> float | None:
   return batch * seq_len * (6 * n + 12 * spec.num_layers * spec.embed_dim * seq_len)
 
 
-SIDES = ("runtime", "ahead2", "unfused", "staged", "pytrees", "fused")
+SIDES = ("runtime", "ahead2", "noremat", "unfused", "staged", "pytrees", "fused")
 
 
 def thread_clocks(runtime: AsyncRuntime) -> dict[str, float]:
@@ -201,9 +204,10 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
   tx = optim.make_optimizer(config.optimizer, 10_000)
   params, state = init_model(config, model, example)
 
-  def runtime(pack: bool, fuse: bool = True, ahead: int = 1) -> AsyncRuntime:
+  def runtime(pack: bool, fuse: bool = True, ahead: int = 1, remat: str = "dots"
+              ) -> AsyncRuntime:
     options = RuntimeOptions(seed=config.seed, pack_stages=pack, fuse_local_step=fuse,
-                             max_dispatch_ahead=ahead)
+                             max_dispatch_ahead=ahead, remat=remat)
     built = AsyncRuntime(model, tx, [device], [train], params, state, example, LayUp, options)
     built.compile()
     return built
@@ -213,6 +217,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
   ahead2 = runtime(True, ahead=2) if "ahead2" in sides else None
   unpacked = runtime(False) if "pytrees" in sides else None
   unfused = runtime(True, fuse=False) if "unfused" in sides else None
+  noremat = runtime(True, remat="none") if "noremat" in sides else None
   key = jax.device_put(jax.random.key(0), device)
   iteration = jax.device_put(np.int32(0), device)
   inputs = Batch(*jax.device_put((example.inputs, example.targets), device))
@@ -243,6 +248,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
   clocks = {"runtime": [], "ahead2": []}  # per block, the warm-up block first
   blocks = {"runtime": lambda: clocked_block(threaded, iters, clocks["runtime"]),
             "ahead2": lambda: clocked_block(ahead2, iters, clocks["ahead2"]),
+            "noremat": lambda: threaded_block(noremat, iters),
             "unfused": lambda: threaded_block(unfused, iters),
             "staged": lambda: serial_block(staged_iteration, iters),
             "pytrees": lambda: serial_block(pytree_iteration, iters),
@@ -255,7 +261,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
     times.setdefault(side, [float("nan")])
   runtime_times, staged_times = times["runtime"], times["staged"]
   pytree_times, fused_times = times["pytrees"], times["fused"]
-  for built in (threaded, ahead2, unfused, layup, unpacked):
+  for built in (threaded, ahead2, noremat, unfused, layup, unpacked):
     if built is not None:
       built.close()
   staged_s, fused_s = statistics.median(staged_times), statistics.median(fused_times)
@@ -270,11 +276,13 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
       "runtime_ms_median": 1e3 * runtime_s, "staged_ms_median": 1e3 * staged_s,
       "runtime_ahead2_ms_median": 1e3 * statistics.median(times["ahead2"]),
       "runtime_unfused_ms_median": 1e3 * statistics.median(times["unfused"]),
+      "runtime_noremat_ms_median": 1e3 * statistics.median(times["noremat"]),
       "pytrees_ms_median": 1e3 * statistics.median(pytree_times),
       "fused_ms_median": 1e3 * fused_s,
       "throughput_ratio_runtime_over_fused_median": ratio(runtime_times),
       "throughput_ratio_runtime_ahead2_over_fused_median": ratio(times["ahead2"]),
       "throughput_ratio_runtime_unfused_over_fused_median": ratio(times["unfused"]),
+      "throughput_ratio_runtime_noremat_over_fused_median": ratio(times["noremat"]),
       "throughput_ratio_staged_over_fused_median": ratio(staged_times),
       "throughput_ratio_pytrees_over_fused_median": ratio(pytree_times),
       "flops_staged": flops_staged, "flops_fused": flops_fused,
@@ -290,6 +298,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
       "runtime_threads_ms_per_iteration_blocks": clocks["runtime"],
       "runtime_ahead2_threads_ms_per_iteration_blocks": clocks["ahead2"],
       "runtime_unfused_ms_all": [1e3 * t for t in times["unfused"]],
+      "runtime_noremat_ms_all": [1e3 * t for t in times["noremat"]],
       "staged_ms_all": [1e3 * t for t in staged_times],
       "pytrees_ms_all": [1e3 * t for t in pytree_times],
       "fused_ms_all": [1e3 * t for t in fused_times],
@@ -346,6 +355,10 @@ def main() -> None:
                   f"{b['wall_ms']:.1f} ({b['dispatcher_cpu_ms']:.1f} / "
                   f"{b['dispatcher_idle_ms']:.1f} / {b['dispatcher_turn_wait_ms']:.1f})"
                   for b in r[blocks]))
+  for r in rows:
+    if not np.isnan(r["runtime_noremat_ms_median"]):
+      print(f"{r['case']} runtime with layup.remat=none: {r['runtime_noremat_ms_median']:.3f} ms, "
+            f"throughput vs fused {r['throughput_ratio_runtime_noremat_over_fused_median']:.3f}")
   for r in rows:  # the traced blocks: per side and process, busy ms and events per iteration
     for side, processes in r["traces"].items():
       for process, summary in sorted(processes.items()):
