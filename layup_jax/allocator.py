@@ -74,8 +74,9 @@ def use(choice: str, argv: list[str] | None = None) -> str | None:
       raise ValueError(f"config.host_allocator={choice}: no lib{choice} found; install it "
                        f"(apt-get install {_PACKAGES[choice]}) or choose auto or system")
     return (f"host allocator: the system's malloc (no TCMalloc or jemalloc found; `apt-get "
-            f"install {_PACKAGES['tcmalloc']}` takes a tenth to a quarter off the host's time per "
-            f"stage, docs/host.md; --config.host_allocator=system silences this line)")
+            f"install {_PACKAGES['tcmalloc']}` took a tenth to a quarter off the host's time per "
+            f"stage on a 2-core machine, docs/host.md; --config.host_allocator=system silences "
+            f"this line)")
   name, lib = found
   sys.stdout.flush()
   sys.stderr.flush()
