@@ -35,6 +35,7 @@ import numpy as np
 
 from layup_jax import compat, distributed, traffic
 from layup_jax.errors import ConfigError
+from layup_jax.scheduler import OffTurn
 
 PyTree = Any
 _NOTICE_WAIT_MS = 200  # a receiver looks at the stop flag this often while no notice comes
@@ -238,7 +239,8 @@ class RemotePeers:
     while notice - self.acknowledged(process) > self.max_in_flight:
       if stopped() or process in self.lost:
         break
-      time.sleep(_ACK_POLL_S)
+      with OffTurn():
+        time.sleep(_ACK_POLL_S)
     if process in self.lost:  # lost meanwhile: its amount goes with it
       return
     self._offer_and_announce(process, notice, peer, s, part, amount, encoded=encoded)
@@ -255,10 +257,10 @@ class RemotePeers:
     returns the uuid."""
     offered_at = time.time()
     uuid = self._offer(part)
-    self._client.key_value_set(
-        self._notice_key(process, self._me, notice),
-        json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount,
-                    "offered_at": offered_at, "average": average, "encoded": encoded}))
+    notice_value = json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount,
+                               "offered_at": offered_at, "average": average, "encoded": encoded})
+    with OffTurn():  # a round trip to the coordination service: the dispatcher goes on
+      self._client.key_value_set(self._notice_key(process, self._me, notice), notice_value)
     return uuid
 
   def _offer(self, part: PyTree) -> int:
@@ -387,7 +389,8 @@ class RemotePeers:
     reply = f"layup_jax/gossip-reply/{self._me}/{uuid}"
     while True:
       try:
-        theirs_uuid = int(self._client.blocking_key_value_get(reply, _NOTICE_WAIT_MS))
+        with OffTurn():  # the peer's answer: the dispatcher goes on meanwhile
+          theirs_uuid = int(self._client.blocking_key_value_get(reply, _NOTICE_WAIT_MS))
         break
       except Exception as error:  # DEADLINE_EXCEEDED: not answered yet
         if process in self.lost:  # no answer will come: this side stays as it was
@@ -439,7 +442,8 @@ class RemotePeers:
     return f"{cls._batch_key(to, source, n)}/{n}"
 
   def _try_get(self, key: str) -> str | None:
-    return distributed.try_get(self._client, key)
+    with OffTurn():  # as a notice's write, in `_offer_and_announce`
+      return distributed.try_get(self._client, key)
 
 
 def _address_key(process: int) -> str:
