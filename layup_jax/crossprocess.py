@@ -35,7 +35,6 @@ import numpy as np
 
 from layup_jax import compat, distributed, traffic
 from layup_jax.errors import ConfigError
-from layup_jax.scheduler import OffTurn
 
 PyTree = Any
 _NOTICE_WAIT_MS = 200  # a receiver looks at the stop flag this often while no notice comes
@@ -239,8 +238,7 @@ class RemotePeers:
     while notice - self.acknowledged(process) > self.max_in_flight:
       if stopped() or process in self.lost:
         break
-      with OffTurn():
-        time.sleep(_ACK_POLL_S)
+      time.sleep(_ACK_POLL_S)
     if process in self.lost:  # lost meanwhile: its amount goes with it
       return
     self._offer_and_announce(process, notice, peer, s, part, amount, encoded=encoded)
@@ -257,10 +255,10 @@ class RemotePeers:
     returns the uuid."""
     offered_at = time.time()
     uuid = self._offer(part)
-    notice_value = json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount,
-                               "offered_at": offered_at, "average": average, "encoded": encoded})
-    with OffTurn():  # a round trip to the coordination service: the dispatcher goes on
-      self._client.key_value_set(self._notice_key(process, self._me, notice), notice_value)
+    self._client.key_value_set(
+        self._notice_key(process, self._me, notice),
+        json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount,
+                    "offered_at": offered_at, "average": average, "encoded": encoded}))
     return uuid
 
   def _offer(self, part: PyTree) -> int:
@@ -389,8 +387,7 @@ class RemotePeers:
     reply = f"layup_jax/gossip-reply/{self._me}/{uuid}"
     while True:
       try:
-        with OffTurn():  # the peer's answer: the dispatcher goes on meanwhile
-          theirs_uuid = int(self._client.blocking_key_value_get(reply, _NOTICE_WAIT_MS))
+        theirs_uuid = int(self._client.blocking_key_value_get(reply, _NOTICE_WAIT_MS))
         break
       except Exception as error:  # DEADLINE_EXCEEDED: not answered yet
         if process in self.lost:  # no answer will come: this side stays as it was
@@ -442,8 +439,7 @@ class RemotePeers:
     return f"{cls._batch_key(to, source, n)}/{n}"
 
   def _try_get(self, key: str) -> str | None:
-    with OffTurn():  # as a notice's write, in `_offer_and_announce`
-      return distributed.try_get(self._client, key)
+    return distributed.try_get(self._client, key)
 
 
 def _address_key(process: int) -> str:

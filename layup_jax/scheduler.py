@@ -132,28 +132,6 @@ class _NoTurn:
     return False
 
 
-_running = threading.local()  # `scheduler`: the Scheduler whose `run` this thread is in, if any
-
-
-class OffTurn:
-  """`with OffTurn():` around a call that blocks outside the interpreter for milliseconds (a
-  round trip to the coordination service, layup_jax/crossprocess.py): the thread lets go of the
-  turn for the call and takes it back after, so that the other thread goes on dispatching
-  meanwhile instead of waiting for a turn its holder does not use. Outside a scheduler's `run`
-  (the serial mode, `step`, a thread of its own), nothing."""
-
-  __slots__ = ("_scheduler",)
-
-  def __enter__(self) -> None:
-    self._scheduler = getattr(_running, "scheduler", None)
-    if self._scheduler is not None:
-      self._scheduler._turn.release()
-
-  def __exit__(self, *exc_info) -> None:
-    if self._scheduler is not None:
-      self._scheduler._take(self._scheduler._turn)
-
-
 class Scheduler:
   """Runs tasks cooperatively on the thread that calls `run` (or `step`)."""
 
@@ -212,7 +190,6 @@ class Scheduler:
     clock = time.thread_time()
     turn = self._turn
     held_since = self._take(turn)
-    _running.scheduler = self
     try:
       while not stopped() and self.failure is None:
         ran = self.step()
@@ -232,7 +209,6 @@ class Scheduler:
         poll = min(2 * poll, _LAST_POLL_S)
         held_since = self._take(turn)
     finally:
-      _running.scheduler = None
       turn.release()
 
   def _take(self, turn) -> float:

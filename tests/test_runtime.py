@@ -719,35 +719,3 @@ def test_a_scheduler_counts_the_time_it_slept_with_nothing_to_run():
   # Nothing could run for 50 ms: the scheduler slept through most of it, never longer than it ran.
   assert 0.025 < scheduler.idle_s <= wall
   assert scheduler.turn_wait_s <= wall
-
-
-def test_a_task_blocked_outside_the_interpreter_lets_the_other_thread_take_the_turn():
-  """A call to the coordination service (a remote send's notice, crossprocess.py) blocks for
-  milliseconds; made `OffTurn`, the other thread takes the turn meanwhile instead of waiting
-  for it, and the task goes on once it has the turn back."""
-  from layup_jax.scheduler import OffTurn, Scheduler, Turns
-
-  turns = Turns()
-  inside, other_took_it, done = threading.Event(), threading.Event(), []
-
-  def blocking():
-    with OffTurn():
-      inside.set()
-      done.append(other_took_it.wait(10))  # the "round trip": until the other thread had a turn
-    yield from ()
-
-  def other_thread():
-    inside.wait(10)
-    turns.acquire()  # blocks for good if the task kept the turn through its call
-    other_took_it.set()
-    turns.release()
-
-  other = threading.Thread(target=other_thread, daemon=True)
-  other.start()
-  scheduler = Scheduler("updater", turns)
-  scheduler.spawn("notice", blocking())
-  scheduler.run(stopped=lambda: len(scheduler) == 0)
-  other.join(10)
-  assert done == [True] and scheduler.failure is None
-  with OffTurn():  # outside a scheduler's run (the serial mode, a thread of its own): nothing
-    pass
