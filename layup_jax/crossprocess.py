@@ -3,8 +3,11 @@ notices and acknowledgements through the coordination service's key-value store.
 
 A send to a device of another process (an outbox's send, layup_jax/transport.py) offers the
 computed stage to this process's transfer server under a fresh uuid (`await_pull`) and then
-writes a notice `(uuid, peer, stage, push-sum amount)` under `layup_jax/gossip/<to>/<from>/<b>/<n>`,
-n counting the notices from this process to that one (b = its batch of 64). The peer's process
+queues a notice `(uuid, peer, stage, push-sum amount)` for `layup_jax/gossip/<to>/<from>/<b>/<n>`,
+n counting the notices from this process to that one (b = its batch of 64). A notice writer per
+other process (a thread of its own) writes them in order and reads that process's
+acknowledgements while any is outstanding: each is a round trip to the coordination service,
+which on the updater's thread took half of its time at remote peers 1 in 2 (docs/multihost.md). The peer's process
 has one receiver thread per other process (started by the runtime): it waits for notice n,
 pulls the arrays onto the peer's device, merges them into the replica with the same atomic
 write as a local send (`ReplicaStore.merge`: the push-sum amount added to w_{j,s} with the
@@ -167,7 +170,9 @@ class RemotePeers:
     self._lock = threading.Lock()  # notice counters and acknowledgements, shared by senders
     self._sent = {k: 0 for k in self.other_processes()}
     self._acked = {k: 0 for k in self.other_processes()}
-    self._acks_read_at: dict[int, float] = {}  # when `backlog` last read each process's
+    # Per other process, the notices (key, value) not yet written, in order (`write_notices`).
+    self._outgoing = {k: collections.deque() for k in self.other_processes()}
+    self._queued = threading.Condition(self._lock)
     # Per received send: seconds from its offer (the sender's clock) to its merge dispatched
     # here; comparable clocks on one host, an estimate across hosts.
     self.latencies: collections.deque = collections.deque()
@@ -188,6 +193,8 @@ class RemotePeers:
     this one) has the same address: processes sharing a host are lost together when it
     vanishes, and one killed alone closes its own."""
     self.lost = self.lost | {process}
+    with self._lock:
+      self._outgoing[process].clear()
     host = _host_of(self._addresses[process])
     live = {_host_of(self._server.address())} | {
         _host_of(a) for k, a in self._addresses.items() if k not in self.lost}
@@ -201,7 +208,7 @@ class RemotePeers:
     address = self._client.blocking_key_value_get(_address_key(process), 10_000)
     with self._lock:
       self._sent[process] = self._acked[process] = 0
-      self._acks_read_at.pop(process, None)
+      self._outgoing[process].clear()
       self._addresses[process] = address
       self._connections.pop(process, None)
       self._joins[process] += 1
@@ -235,7 +242,7 @@ class RemotePeers:
     into stage s with the push-sum `amount` (its latency is recorded there, in `latencies`)."""
     process = self._process_of[peer]
     notice = self._next_notice(process)
-    while notice - self.acknowledged(process) > self.max_in_flight:
+    while notice - self._acked[process] > self.max_in_flight:  # read by its notice writer
       if stopped() or process in self.lost:
         break
       time.sleep(_ACK_POLL_S)
@@ -255,11 +262,37 @@ class RemotePeers:
     returns the uuid."""
     offered_at = time.time()
     uuid = self._offer(part)
-    self._client.key_value_set(
-        self._notice_key(process, self._me, notice),
-        json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount,
-                    "offered_at": offered_at, "average": average, "encoded": encoded}))
+    value = json.dumps({"uuid": uuid, "peer": peer, "stage": s, "amount": amount,
+                        "offered_at": offered_at, "average": average, "encoded": encoded})
+    with self._lock:  # written by `write_notices`, in the order of the notices' numbers
+      self._outgoing[process].append((self._notice_key(process, self._me, notice), value))
+      self._queued.notify_all()
     return uuid
+
+  def write_notices(self, process: int, stopped: Callable[[], bool]) -> None:
+    """The notice writer for `process` (a runtime thread), until `stopped()`: writes the queued
+    notices in order, and while any notice to it is unacknowledged reads its acknowledgements
+    (every `_ACK_POLL_S`), which `backlog` and `send` then read without a round trip. Nothing
+    goes to a process declared lost (`lose` drops its queue)."""
+    queue = self._outgoing[process]
+    while not stopped():
+      with self._lock:
+        if not queue and self._acked[process] >= self._sent[process]:
+          self._queued.wait(_NOTICE_WAIT_MS / 1e3)
+        batch = list(queue)
+        queue.clear()
+      try:
+        for key, value in batch:
+          if process in self.lost:
+            break
+          self._client.key_value_set(key, value)
+        if self._acked[process] < self._sent[process] and process not in self.lost:
+          self.acknowledged(process)
+          if not batch:
+            time.sleep(_ACK_POLL_S)
+      except Exception:
+        if process not in self.lost and not distributed.members.await_loss(process):
+          raise
 
   def _offer(self, part: PyTree) -> int:
     """Offers `part` (computed) to one pull under a fresh uuid; returns the uuid."""
@@ -275,13 +308,10 @@ class RemotePeers:
       return sum(self._sent.values())
 
   def backlog(self, peer: int) -> int:
-    """Sends to `peer`'s process not merged there yet, by the acknowledgements read at most
-    `_ACK_POLL_S` ago (a read of the store costs more than a send)."""
+    """Sends to `peer`'s process not merged there yet, by the acknowledgements its notice
+    writer read (every `_ACK_POLL_S` while any is outstanding; a read of the store costs more
+    than a send)."""
     process = self._process_of[peer]
-    now = time.monotonic()
-    if now - self._acks_read_at.get(process, 0.0) > _ACK_POLL_S:
-      self._acks_read_at[process] = now
-      self.acknowledged(process)
     with self._lock:
       return self._sent[process] - self._acked[process]
 
