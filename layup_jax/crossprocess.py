@@ -277,8 +277,9 @@ class RemotePeers:
     queue = self._outgoing[process]
     while not stopped():
       with self._lock:
-        if not queue and self._acked[process] >= self._sent[process]:
-          self._queued.wait(_NOTICE_WAIT_MS / 1e3)
+        if not queue:  # a queued notice wakes it at once
+          outstanding = self._acked[process] < self._sent[process]
+          self._queued.wait(_ACK_POLL_S if outstanding else _NOTICE_WAIT_MS / 1e3)
         batch = list(queue)
         queue.clear()
       try:
@@ -288,8 +289,6 @@ class RemotePeers:
           self._client.key_value_set(key, value)
         if self._acked[process] < self._sent[process] and process not in self.lost:
           self.acknowledged(process)
-          if not batch:
-            time.sleep(_ACK_POLL_S)
       except Exception:
         if process not in self.lost and not distributed.members.await_loss(process):
           raise
