@@ -7,13 +7,14 @@ queues a notice `(uuid, peer, stage, push-sum amount)` for `layup_jax/gossip/<to
 n counting the notices from this process to that one (b = its batch of 64). A notice writer per
 other process (a thread of its own) writes them in order and reads that process's
 acknowledgements while any is outstanding: each is a round trip to the coordination service,
-which on the updater's thread took half of its time at remote peers 1 in 2 (docs/multihost.md). The peer's process
-has one receiver thread per other process (started by the runtime): it waits for notice n,
-pulls the arrays onto the peer's device, merges them into the replica with the same atomic
-write as a local send (`ReplicaStore.merge`: the push-sum amount added to w_{j,s} with the
-stage), and acknowledges with `layup_jax/gossip-ack/<from>/<to> = n` (every 16 notices, and
-whenever none is waiting), deleting a batch's notices once all are merged. Only announced uuids
-are pulled: a pull of a uuid never offered waits forever (docs/multihost_probes.md).
+which on the updater's thread took half of its time at remote peers 1 in 2
+(docs/multihost.md). The peer's process has one receiver thread per other process (started by
+the runtime): it waits for notice n, pulls the arrays onto the peer's device, merges them into
+the replica with the same atomic write as a local send (`ReplicaStore.merge`: the push-sum
+amount added to w_{j,s} with the stage), and acknowledges with
+`layup_jax/gossip-ack/<from>/<to> = n` (every 16 notices, and whenever none is waiting),
+deleting a batch's notices once all are merged. Only announced uuids are pulled: a pull of a
+uuid never offered waits forever (docs/multihost_probes.md).
 
 The sender never waits for the receiver's device: the offer is of a stage already computed, and
 the notice is a few bytes. It waits only when `max_in_flight` notices to one process are not
@@ -47,7 +48,7 @@ _NOTICE_WAIT_MS = 200  # a receiver looks at the stop flag this often while no n
 _ACK_EVERY = 16
 _IDLE_MS = 2
 _BATCH = 64
-_ACK_POLL_S = 0.002  # how often a waiting sender reads the acknowledgements
+_ACK_POLL_S = 0.002  # how often a notice writer reads the acknowledgements while any is due
 _PULL_POLL_S = 0.001  # how often an elastic run's pull looks whether its source was lost
 
 

@@ -66,22 +66,22 @@ host() {  # tag limit extra-arguments...: bench_host on ResNet-18's structure, 8
 step_iters=()
 if [[ -n "${STEP_ITERS:-}" ]]; then step_iters=(--iters "$STEP_ITERS"); fi
 if [[ "${DEFAULTS:-1}" == 1 ]]; then  # DEFAULTS=0: only the extras asked for below
-for tree in "${trees[@]}"; do
-  tag=$([[ "$tree" == "." ]] && echo after || echo before)
-  # shellcheck disable=SC2086  # STEP_SIDES is a list of words
-  (cd "$tree" && run "step_$tag" 180 python3 scripts/bench_step.py \
-    --cases resnet18-cifar-b128 gpt2-124m-bf16 --sides ${STEP_SIDES:-runtime staged fused} \
-    --repeats 7 "${step_iters[@]}" --trace "/tmp/bench_gpu_trace_$tag" \
-    --out "$out/bench_step_$tag.json")
-done
-host after 140 --updater-thread on off --pin-threads on
-if [[ -n "$before" ]]; then
-  (cd "$before" && host before 60)  # an older checkout may know none of the options above
-fi
-if [[ "${ALLOCATOR:-0}" == 1 ]]; then
-  host allocator_system 140 --updater-thread on off --pin-threads on --allocator system
-fi
-host after_round2 80 --updater-thread on --pin-threads on
+  for tree in "${trees[@]}"; do
+    tag=$([[ "$tree" == "." ]] && echo after || echo before)
+    # shellcheck disable=SC2086  # STEP_SIDES is a list of words
+    (cd "$tree" && run "step_$tag" 180 python3 scripts/bench_step.py \
+      --cases resnet18-cifar-b128 gpt2-124m-bf16 --sides ${STEP_SIDES:-runtime staged fused} \
+      --repeats 7 "${step_iters[@]}" --trace "/tmp/bench_gpu_trace_$tag" \
+      --out "$out/bench_step_$tag.json")
+  done
+  host after 140 --updater-thread on off --pin-threads on
+  if [[ -n "$before" ]]; then
+    (cd "$before" && host before 60)  # an older checkout may know none of the options above
+  fi
+  if [[ "${ALLOCATOR:-0}" == 1 ]]; then
+    host allocator_system 140 --updater-thread on off --pin-threads on --allocator system
+  fi
+  host after_round2 80 --updater-thread on --pin-threads on
 fi
 if [[ "${PER_LAYER:-0}" == 1 ]]; then
   host after_per_layer 110 --granularity per_layer  # 60 s ran out compiling (2026-11-28)

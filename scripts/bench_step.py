@@ -163,10 +163,11 @@ def trace_summary(trace_dir: pathlib.Path, iters: int, top: int = 8) -> dict:
   counts = collections.defaultdict(collections.Counter)
   for e in events:
     if e.get("ph") == "X":
-      process = names.get(e["pid"], str(e["pid"]))
-      spans[process].append((e["ts"], e.get("dur", 0.0)))
-      by_name[process][e["name"][:80]] += e.get("dur", 0.0)
-      counts[process][e["name"][:80]] += 1
+      process, name = names.get(e["pid"], str(e["pid"])), e["name"][:80]
+      duration = e.get("dur", 0.0)
+      spans[process].append((e["ts"], duration))
+      by_name[process][name] += duration
+      counts[process][name] += 1
   return {process: {"busy_ms_per_iteration": covered_us(spans[process]) / 1e3 / iters,
                     "events_per_iteration": len(spans[process]) / iters,
                     "top": [[name, us / 1e3 / iters, counts[process][name] / iters]
@@ -362,9 +363,9 @@ def main() -> None:
   for r in rows:  # the traced blocks: per side and process, busy ms and events per iteration
     for side, processes in r["traces"].items():
       for process, summary in sorted(processes.items()):
+        top = "; ".join(f"{name[:40]} {ms:.2f} ms x{n:.0f}" for name, ms, n in summary["top"][:3])
         print(f"{r['case']} {side} trace, {process[:40]}: {summary['busy_ms_per_iteration']:.2f} "
-              f"ms covered, {summary['events_per_iteration']:.0f} events per iteration; top: "
-              + "; ".join(f"{name[:40]} {ms:.2f} ms x{n:.0f}" for name, ms, n in summary["top"][:3]))
+              f"ms covered, {summary['events_per_iteration']:.0f} events per iteration; top: {top}")
   iterations = ", ".join(f"{r['case']} {r['iters']}" for r in rows)
   print(f"(throughput ratio: median over {args.repeats} repeats of the ratio within a repeat, "
         f"{iterations} iterations each; {rows[0]['device']}; jax {jax.__version__}; XLA's FLOPs "
