@@ -131,6 +131,11 @@ def get_config() -> ml_collections.ConfigDict:
   # convolutions and matrix multiplications, recomputing the elementwise work (normalization,
   # activations) in the backward; "none" every residual; "full" only the stage's input.
   config.layup.remat = "dots"
+  # An iteration's forwards (every stage before the loss stage) as one program, the stages'
+  # functions composed, instead of one program per stage: one launch for the forward pass.
+  # Each stage's backward, local update and send stay its own (the paper's granularity); the
+  # forwards read every stage's params at one moment instead of stage by stage.
+  config.layup.chain_forwards = False
   # Sends (one stage each) an updater may have dispatched to peers before it waits for the
   # oldest to land: bounds the copies of its stages that peers hold. 0 = no bound (an updater
   # never waits on a slow peer).

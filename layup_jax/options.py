@@ -16,7 +16,8 @@ CONFIG_KEYS = {
     "max_sends_in_flight": "layup.max_sends_in_flight", "pack_stages": "layup.pack_stages",
     "fuse_local_step": "layup.fuse_local_step", "updater_thread": "layup.updater_thread",
     "pin_host_threads": "layup.pin_host_threads",
-    "remat": "layup.remat", "nonfinite": "faults.nonfinite",
+    "remat": "layup.remat", "chain_forwards": "layup.chain_forwards",
+    "nonfinite": "faults.nonfinite",
     "latency_every": "metrics.latency_every", "straggler_device": "straggler.device",
     "straggler_delay_iters": "straggler.delay_iters", "straggler_mode": "straggler.mode",
     "transfer_host": "distributed.transfer_host",
@@ -42,6 +43,7 @@ class RuntimeOptions:
   updater_thread: bool = True
   pin_host_threads: str = "auto"
   remat: str = "dots"
+  chain_forwards: bool = False
   nonfinite: str = "stop"
   latency_every: int = 0
   straggler_device: int = -1

@@ -50,7 +50,13 @@ from layup_jax.options import RuntimeOptions
 from layup_jax.packing import StagePacking
 from layup_jax.scheduler import Ready, Task
 from layup_jax.snapshot import Snapshot
-from layup_jax.stages import StagedModel, backward_grads, make_stage_steps, stage_key
+from layup_jax.stages import (
+  StagedModel,
+  backward_grads,
+  chain_forwards,
+  make_stage_steps,
+  stage_key,
+)
 
 PyTree = Any
 
@@ -165,7 +171,8 @@ class ReplicaStore:
     self.steps = make_stage_steps(model, keep_finite_state=True,
                                   packings=self.packings, state_packings=self.state_packings,
                                   remat=options.remat, update=step_fn,
-                                  merge_state=self._merge_state)
+                                  merge_state=self._merge_state,
+                                  chain_forwards=options.chain_forwards)
     # Donated: the Optax state and the gradient, which only the update reads (the new params
     # take the gradient's buffer). Params are never donated: forwards, backwards and sends read
     # them; nor is a received stage, which marks its send as landed (`merge`).
@@ -571,6 +578,24 @@ class DeviceStages:
                                                        key, iteration)
     return y, vjp
 
+  def forward_chain(self, x, keys, iteration):
+    """The forwards as one program, every stage's new state stored under its state lock (the
+    locks taken in stage order, as no other writer takes two)."""
+    store, replica, last = self.store, self.replica, self.store.num_stages - 1
+    locks = [store._state_locks[self.i][s] for s in range(last) if store._has_state[s]]
+    for lock in locks:
+      lock.acquire()
+    try:
+      inputs, y, states, vjps = chain_forwards(self.steps, replica.params[:last],
+                                               replica.state[:last], x, keys, iteration)
+      for s in range(last):
+        if store._has_state[s]:
+          replica.state[s] = states[s]
+    finally:
+      for lock in reversed(locks):
+        lock.release()
+    return inputs, y, vjps
+
   def loss(self, x, labels, key, iteration):
     store, i, replica, steps = self.store, self.i, self.replica, self.steps
     s = store.num_stages - 1
@@ -641,6 +666,13 @@ class CompileStages:
                                               key, iteration)
     self.outputs.append(new_state)
     return y, vjp
+
+  def forward_chain(self, x, keys, iteration):
+    last = self.store.num_stages - 1
+    inputs, y, states, vjps = chain_forwards(self.steps, self.replica.params[:last],
+                                             self.replica.state[:last], x, keys, iteration)
+    self.outputs.extend(states)
+    return inputs, y, vjps
 
   def loss(self, x, labels, key, iteration):
     s = self.store.num_stages - 1

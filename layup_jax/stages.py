@@ -250,6 +250,11 @@ class StageSteps:
                         receiver_share, ...)`. `received` is the peer's params, or
                         `(params, state)` where the stage's BatchNorm state travels
                         (`merge_state[s]`).
+  forward_chain (with `chain_forwards`): (params, states, x, stage_keys, iteration) over the
+                        stages before the loss stage (tuples) -> (the inputs of stages 1 ..,
+                        the last one's output, new states, vjps): every forward of an iteration
+                        in one program, the same functions composed, each stage's residuals
+                        kept apart for its own backward.
   `vjp` is a `PackedResiduals`: with `packings` the VJP's arrays in one buffer per dtype.
   A consumer stage's `x` and `dx` are `(activation, tied array)` pairs. Stages whose modules are
   equal (the repeated blocks of a ResNet or GPT-2) share one jitted function, so each compiles
@@ -266,6 +271,7 @@ class StageSteps:
   loss_update: Callable | None = None
   backward_update_mix: tuple[Callable, ...] = ()
   loss_update_mix: Callable | None = None
+  forward_chain: Callable | None = None
 
 
 def mix_received(params: PyTree, state: PyTree, received: PyTree, share: jax.Array,
@@ -281,7 +287,8 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
                      packings: Sequence[StagePacking] | None = None,
                      state_packings: Sequence[StagePacking | None] | None = None,
                      remat: str = "none", update: Callable | None = None,
-                     merge_state: Sequence[bool] | None = None) -> StageSteps:
+                     merge_state: Sequence[bool] | None = None,
+                     chain_forwards: bool = False) -> StageSteps:
   """The jitted per-stage functions; `keep_finite_state` keeps a stage's old BatchNorm
   statistics wherever a batch made the new ones non-finite (for skipped non-finite steps);
   `packings` (one per stage) makes them take and return flat params and gradients, and
@@ -289,7 +296,9 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   keeps for its backward (`REMAT_POLICIES`); `update(params, opt_state, grads, step,
   first_nonfinite) -> (params, opt_state, first_nonfinite)`, a stage's local step, adds the
   fused `backward_update` and `loss_update` functions; `merge_state` (per stage: whether its
-  BatchNorm state travels with a send) adds the `*_mix` functions."""
+  BatchNorm state travels with a send) adds the `*_mix` functions; `chain_forwards` adds
+  `forward_chain`, an iteration's forwards as one program (one launch instead of one per
+  stage; each stage's backward, update and send stay its own)."""
   if remat not in REMAT_POLICIES:
     raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
   last = model.num_stages - 1
@@ -392,6 +401,20 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   def loss_update_mix(params, state, received, share, *rest):
     return loss_update(*mix_received(params, state, received, share, merge_state[last]), *rest)
 
+  chained = [make_forward(s) for s in range(last)] if chain_forwards and last > 0 else []
+
+  def forward_chain(params, states, x, keys, iteration):
+    inputs, new_states, residuals = [], [], []
+    for s, forward in enumerate(chained):
+      tie = model.tie_of(s)
+      if s > 0:
+        x = x if tie is None else (x, tree_get(unpack[tie.owner](params[tie.owner]), tie.path))
+        inputs.append(x)
+      x, new_state, vjp = forward(params[s], states[s], x, keys[s], iteration)
+      new_states.append(new_state)
+      residuals.append(vjp)
+    return tuple(inputs), x, tuple(new_states), tuple(residuals)
+
   mixes = merge_state is not None
   backward_jit, first_backward_jit = jax.jit(backward), jax.jit(first_backward)
   return StageSteps(
@@ -407,6 +430,7 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
       backward=tuple(first_backward_jit if s == 0 else backward_jit for s in range(last)),
       add_tied={tie.owner: make_add_tied(tie) for tie in model.ties},
       read_tied=({tie.consumer: make_read_tied(tie) for tie in model.ties} if packings else {}),
+      forward_chain=jax.jit(forward_chain) if chained else None,
   )
 
 
@@ -420,6 +444,10 @@ class StageOps(Protocol):
 
   def forward(self, s: int, x: PyTree, key: jax.Array, iteration: jax.Array) -> tuple:
     """Stage s's forward (its new BatchNorm state stored): `(y, vjp)`."""
+
+  def forward_chain(self, x: PyTree, keys: Sequence[jax.Array], iteration: jax.Array) -> tuple:
+    """Every stage's forward before the loss stage in one program (`StageSteps.forward_chain`;
+    the new BatchNorm states stored): `(each stage's input, the last one's output, vjps)`."""
 
   def loss(self, x: PyTree, labels: jax.Array, key: jax.Array, iteration: jax.Array) -> tuple:
     """The loss stage: `(loss, its gradient or its updated params, dx)`."""
@@ -451,7 +479,10 @@ def staged_pass(model: StagedModel, steps: StageSteps, ops: StageOps, x: jax.Arr
       return x, steps.read_tied[s](ops.read(model.tie_of(s).owner))
     return model.stage_input(s, x, ops.read)
 
-  for s in range(last):
+  if steps.forward_chain is not None:  # one program; its stages' inputs kept as in the loop
+    on_stage(0)
+    inputs, x, vjps = ops.forward_chain(x, stage_keys[:last], iteration)
+  for s in range(len(vjps), last):
     on_stage(s)
     x_in = stage_input(s, x)
     x, vjp = ops.forward(s, x_in, stage_keys[s], iteration)
@@ -489,6 +520,12 @@ class FixedStages:
                                                    iteration)
     return y, vjp
 
+  def forward_chain(self, x, keys, iteration):
+    last = len(self.params) - 1
+    inputs, y, self.states[:last], vjps = chain_forwards(self.steps, self.params[:last],
+                                                         self.states[:last], x, keys, iteration)
+    return inputs, y, vjps
+
   def loss(self, x, labels, key, iteration):
     last = len(self.params) - 1
     value, self.states[last], grads, dx = self.steps.loss(self.params[last], self.states[last],
@@ -497,6 +534,15 @@ class FixedStages:
 
   def backward(self, s, vjp, x, dy, tied_grad):
     return backward_grads(self.steps, s, vjp, self.params[s], x, dy, tied_grad)
+
+
+def chain_forwards(steps: StageSteps, params: Sequence[PyTree], states: Sequence[PyTree], x,
+                   keys: Sequence[jax.Array], iteration) -> tuple[list, PyTree, list, list]:
+  """`steps.forward_chain` on the stages before the loss stage: (each stage's input, stage 0's
+  being `x`; the last one's output; the new states; the vjps), as lists."""
+  inputs, y, new_states, vjps = steps.forward_chain(tuple(params), tuple(states), x,
+                                                    tuple(keys), iteration)
+  return [x, *inputs], y, list(new_states), list(vjps)
 
 
 def backward_grads(steps: StageSteps, s: int, vjp, params: PyTree, x, dy, tied_grad):

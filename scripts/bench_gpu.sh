@@ -23,6 +23,9 @@
 #   remat       with REMAT=1: bench_step's runtime with `layup.remat="none"` beside the default
 #               ("dots") and the fused step, both cases (is the staged step's device time on the
 #               GPU the backward's recomputation?)
+#   chained     with CHAIN=1: `layup.chain_forwards` on and off, side by side: the GPU client's
+#               bench_host (one device) and on 8 fake CPU devices, and bench_step's side
+#               `chained` beside the runtime and the fused step (ResNet-18 b128, GPT-2 124M)
 #   DEFAULTS=0  leaves out bench_step and bench_host above (the device tool brings back 8 files:
 #               CMDBUF=1 alone writes 7)
 #   bench_dispatch  with DISPATCH=1: each program's dispatch cost inside a run against alone, on
@@ -111,6 +114,12 @@ if [[ "${CMDBUF:-0}" == 1 ]]; then
       --trace "/tmp/bench_gpu_trace_cmdbuf_${variant%%:*}" \
       --out "$out/bench_step_cmdbuf_${variant%%:*}.json"
   done
+fi
+if [[ "${CHAIN:-0}" == 1 ]]; then
+  XLA_FLAGS= gpu_host gpu1_chain 110 --updater-thread on --chain-forwards on off
+  host chain 140 --updater-thread on --pin-threads on --chain-forwards on off
+  run step_chain 180 python3 scripts/bench_step.py --cases resnet18-cifar-b128 gpt2-124m-bf16 \
+    --sides runtime chained fused --repeats 5 --out "$out/bench_step_chain.json"
 fi
 if [[ "${REMAT:-0}" == 1 ]]; then
   run step_remat 180 python3 scripts/bench_step.py --cases resnet18-cifar-b128 gpt2-124m-bf16 \

@@ -36,7 +36,8 @@ pipeline's budget (`scripts/bench_input.py`), not this one. Latency sampling is 
 `--stages-per-group` runs the model with consecutive stages grouped (`model.stages_per_group`):
 fewer, larger stages, so fewer programs, sends and merges per iteration. `--fuse-local-step on
 off` runs each algorithm with and without the local step in the backward's program
-(`layup.fuse_local_step`), one row after the other. `--allocator system` runs the script under
+(`layup.fuse_local_step`), one row after the other; `--chain-forwards on off` with an
+iteration's forwards as one program and stage by stage (`layup.chain_forwards`). `--allocator system` runs the script under
 the C library's malloc; the default, `auto`, starts it again under TCMalloc or jemalloc where
 one is installed, as `python -m layup_jax.train` does (`host_allocator`, docs/host.md).
 """
@@ -114,7 +115,7 @@ def batches(kind: str, seed: int, count: int = 4):
 
 
 def bench_config(algorithm: str, num_devices: int, fuse: bool = True,
-                 updater_thread: bool = True, pin: str = "off"):
+                 updater_thread: bool = True, pin: str = "off", chain: bool = False):
   config = base.get_config()
   config.algorithm, config.num_devices = algorithm, num_devices
   config.layup.fuse_local_step = fuse
@@ -122,6 +123,8 @@ def bench_config(algorithm: str, num_devices: int, fuse: bool = True,
     config.layup.updater_thread = updater_thread
   if "pin_host_threads" in config.layup:
     config.layup.pin_host_threads = pin
+  if "chain_forwards" in config.layup:
+    config.layup.chain_forwards = chain
   config.metrics.latency_every = 0
   config.baselines.tau = config.baselines.out_freq = 4
   config.faults.nonfinite = "skip"  # widths 2 can make a gradient non-finite; the run goes on
@@ -214,14 +217,14 @@ class Counter:
 
 def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
           per_group: int = 1, fuse: bool = True, updater_thread: bool = True,
-          granularity: str = "per_block", pin: str = "off") -> dict:
+          granularity: str = "per_block", pin: str = "off", chain: bool = False) -> dict:
   model, kind = shrunk_model(case, granularity)
   if per_group > 1:
     model = stages.group_stages(model, per_group)
   devices = jax.devices()[:num_devices]
   streams = TrainStreams([batches(kind, seed) for seed in range(num_devices)],
                          next(batches(kind, 0)))
-  config = bench_config(algorithm, num_devices, fuse, updater_thread, pin)
+  config = bench_config(algorithm, num_devices, fuse, updater_thread, pin, chain)
   runtime = algorithms.build_runtime(config, model, optax.sgd(1e-3), devices, streams)
   start = time.perf_counter()
   runtime.compile()
@@ -252,6 +255,7 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
       "case": case, "algorithm": algorithm, "num_stages": model.num_stages,
       "stages_per_group": per_group, "granularity": granularity, "fuse_local_step": fuse,
       "updater_thread": updater_thread, "pin_host_threads": pin == "on",
+      "chain_forwards": chain,
       "num_devices": num_devices, "steps_per_block": steps, "repeats": repeats,
       "host_ms_per_iteration": host_ms,
       "host_ms_all": [1e3 * w / per_block for w in walls],
@@ -288,6 +292,8 @@ def main() -> None:
                       help="model.granularity values to run, one row each (adjacent)")
   parser.add_argument("--pin-threads", nargs="+", default=["off"], choices=["on", "off"],
                       help="layup.pin_host_threads values to run, one row each (adjacent)")
+  parser.add_argument("--chain-forwards", nargs="+", default=["off"], choices=["on", "off"],
+                      help="layup.chain_forwards values to run, one row each (adjacent)")
   allocator_choice.add_option(parser)
   parser.add_argument("--out", default="bench_host.json")
   args = parser.parse_args()
@@ -297,11 +303,11 @@ def main() -> None:
   fused = {}
   for case in args.cases:
     fused[case] = fused_step_ms(*shrunk_model(case))
-    for algorithm, per_group, fuse, thread, granularity, pin in itertools.product(
+    for algorithm, per_group, fuse, thread, granularity, pin, chain in itertools.product(
         args.algorithms, args.stages_per_group, args.fuse_local_step, args.updater_thread,
-        args.granularity, args.pin_threads):
+        args.granularity, args.pin_threads, args.chain_forwards):
       row = bench(case, algorithm, args.num_devices, args.steps, args.repeats, per_group,
-                  fuse == "on", thread == "on", granularity, pin)
+                  fuse == "on", thread == "on", granularity, pin, chain == "on")
       row["fused_step_ms"] = fused[case]
       row["host_allocator"] = host_allocator
       rows.append(row)
@@ -309,7 +315,8 @@ def main() -> None:
 
   fmt = lambda v, spec: "-" if v is None else format(v, spec)
   print(f"\nhost allocator: {host_allocator}")
-  print(f"{'case':<16}{'algorithm':<11}{'stages':>7}{'fused':>6}{'upd.th':>7}"
+  print(f"{'case':<16}{'algorithm':<11}{'stages':>7}{'fused':>6}{'upd.th':>7}{'pin':>4}"
+        f"{'chain':>6}"
         f"{'host ms/it':>11}{'serial':>8}{'threads':>8}"
         f"{'cpu ms/it':>10}"
         f"{'launches':>9}{'transfers':>10}{'ceiling/s':>10}{'A100/s':>8}{'budget ms':>10}"
@@ -318,6 +325,7 @@ def main() -> None:
     print(f"{r['case']:<16}{r['algorithm']:<11}{r['num_stages']:>7}"
           f"{'on' if r['fuse_local_step'] else 'off':>6}{'on' if r['updater_thread'] else 'off':>7}"
           f"{'on' if r.get('pin_host_threads') else 'off':>4}"
+          f"{'on' if r.get('chain_forwards') else 'off':>6}"
           f"{r['host_ms_per_iteration']:>11.2f}{fmt(r.get('serial_ms_per_iteration'), '.2f'):>8}"
           f"{fmt(r.get('thread_cpu_ms_per_iteration'), '.2f'):>8}"
           f"{r['cpu_ms_per_iteration']:>10.2f}"

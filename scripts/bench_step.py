@@ -9,6 +9,8 @@ the loss every iteration. Staged, three ways, all on one device without a peer:
   noremat:  the runtime with `layup.remat="none"`: a stage's forward keeps every residual for
             its backward (the default, "dots", keeps the matrix products' and convolutions'
             outputs and recomputes the elementwise work; the fused step recomputes nothing)
+  chained:  the runtime with `layup.chain_forwards=True`: an iteration's forwards as one
+            program (the backwards, updates and sends stay per stage).
   unfused:  the runtime with `layup.fuse_local_step=False`: the updater thread applies each
             gradient in a program of its own instead of the backward's program applying it.
   serial:   the same per-stage functions dispatched from one thread (`iterate_serial`: forwards
@@ -116,7 +118,7 @@ def transformer_flops(config, params, batch: int, seq_len: int) -> float | None:
   return batch * seq_len * (6 * n + 12 * spec.num_layers * spec.embed_dim * seq_len)
 
 
-SIDES = ("runtime", "ahead2", "noremat", "unfused", "staged", "pytrees", "fused")
+SIDES = ("runtime", "ahead2", "noremat", "chained", "unfused", "staged", "pytrees", "fused")
 
 
 def thread_clocks(runtime: AsyncRuntime) -> dict[str, float]:
@@ -205,10 +207,10 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
   tx = optim.make_optimizer(config.optimizer, 10_000)
   params, state = init_model(config, model, example)
 
-  def runtime(pack: bool, fuse: bool = True, ahead: int = 1, remat: str = "dots"
-              ) -> AsyncRuntime:
+  def runtime(pack: bool, fuse: bool = True, ahead: int = 1, remat: str = "dots",
+              chain: bool = False) -> AsyncRuntime:
     options = RuntimeOptions(seed=config.seed, pack_stages=pack, fuse_local_step=fuse,
-                             max_dispatch_ahead=ahead, remat=remat)
+                             max_dispatch_ahead=ahead, remat=remat, chain_forwards=chain)
     built = AsyncRuntime(model, tx, [device], [train], params, state, example, LayUp, options)
     built.compile()
     return built
@@ -219,6 +221,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
   unpacked = runtime(False) if "pytrees" in sides else None
   unfused = runtime(True, fuse=False) if "unfused" in sides else None
   noremat = runtime(True, remat="none") if "noremat" in sides else None
+  chained = runtime(True, chain=True) if "chained" in sides else None
   key = jax.device_put(jax.random.key(0), device)
   iteration = jax.device_put(np.int32(0), device)
   inputs = Batch(*jax.device_put((example.inputs, example.targets), device))
@@ -250,6 +253,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
   blocks = {"runtime": lambda: clocked_block(threaded, iters, clocks["runtime"]),
             "ahead2": lambda: clocked_block(ahead2, iters, clocks["ahead2"]),
             "noremat": lambda: threaded_block(noremat, iters),
+            "chained": lambda: threaded_block(chained, iters),
             "unfused": lambda: threaded_block(unfused, iters),
             "staged": lambda: serial_block(staged_iteration, iters),
             "pytrees": lambda: serial_block(pytree_iteration, iters),
@@ -262,7 +266,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
     times.setdefault(side, [float("nan")])
   runtime_times, staged_times = times["runtime"], times["staged"]
   pytree_times, fused_times = times["pytrees"], times["fused"]
-  for built in (threaded, ahead2, noremat, unfused, layup, unpacked):
+  for built in (threaded, ahead2, noremat, chained, unfused, layup, unpacked):
     if built is not None:
       built.close()
   staged_s, fused_s = statistics.median(staged_times), statistics.median(fused_times)
@@ -278,12 +282,14 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
       "runtime_ahead2_ms_median": 1e3 * statistics.median(times["ahead2"]),
       "runtime_unfused_ms_median": 1e3 * statistics.median(times["unfused"]),
       "runtime_noremat_ms_median": 1e3 * statistics.median(times["noremat"]),
+      "runtime_chained_ms_median": 1e3 * statistics.median(times["chained"]),
       "pytrees_ms_median": 1e3 * statistics.median(pytree_times),
       "fused_ms_median": 1e3 * fused_s,
       "throughput_ratio_runtime_over_fused_median": ratio(runtime_times),
       "throughput_ratio_runtime_ahead2_over_fused_median": ratio(times["ahead2"]),
       "throughput_ratio_runtime_unfused_over_fused_median": ratio(times["unfused"]),
       "throughput_ratio_runtime_noremat_over_fused_median": ratio(times["noremat"]),
+      "throughput_ratio_runtime_chained_over_fused_median": ratio(times["chained"]),
       "throughput_ratio_staged_over_fused_median": ratio(staged_times),
       "throughput_ratio_pytrees_over_fused_median": ratio(pytree_times),
       "flops_staged": flops_staged, "flops_fused": flops_fused,
@@ -300,6 +306,7 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
       "runtime_ahead2_threads_ms_per_iteration_blocks": clocks["ahead2"],
       "runtime_unfused_ms_all": [1e3 * t for t in times["unfused"]],
       "runtime_noremat_ms_all": [1e3 * t for t in times["noremat"]],
+      "runtime_chained_ms_all": [1e3 * t for t in times["chained"]],
       "staged_ms_all": [1e3 * t for t in staged_times],
       "pytrees_ms_all": [1e3 * t for t in pytree_times],
       "fused_ms_all": [1e3 * t for t in fused_times],
@@ -357,9 +364,11 @@ def main() -> None:
                   f"{b['dispatcher_idle_ms']:.1f} / {b['dispatcher_turn_wait_ms']:.1f})"
                   for b in r[blocks]))
   for r in rows:
-    if not np.isnan(r["runtime_noremat_ms_median"]):
-      print(f"{r['case']} runtime with layup.remat=none: {r['runtime_noremat_ms_median']:.3f} ms, "
-            f"throughput vs fused {r['throughput_ratio_runtime_noremat_over_fused_median']:.3f}")
+    for side, what in (("noremat", "layup.remat=none"), ("chained", "layup.chain_forwards")):
+      if not np.isnan(r[f"runtime_{side}_ms_median"]):
+        print(f"{r['case']} runtime with {what}: {r[f'runtime_{side}_ms_median']:.3f} ms, "
+              f"throughput vs fused "
+              f"{r[f'throughput_ratio_runtime_{side}_over_fused_median']:.3f}")
   for r in rows:  # the traced blocks: per side and process, busy ms and events per iteration
     for side, processes in r["traces"].items():
       for process, summary in sorted(processes.items()):

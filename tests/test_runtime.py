@@ -434,7 +434,29 @@ def test_a_local_step_fused_into_the_backward_is_the_updaters_step():
     runtime.close()
 
 
-@pytest.mark.parametrize("algorithm", ["layup", "adpsgd", "ddp"])
+def test_the_forwards_as_one_program_train_exactly_as_stage_by_stage():
+  # `layup.chain_forwards` is a dispatch choice: the same scripted iterations (local steps,
+  # sends mixed in by the backwards, BatchNorm statistics) give the same replicas and weights.
+  runtimes = [make_layup_runtime(3, chain_forwards=chain) for chain in (True, False)]
+  assert runtimes[0].store.steps.forward_chain is not None
+  for runtime in runtimes:
+    for i, peer in [(0, 1), (1, 2), (2, 0), (0, 2), (1, None), (2, 1)] * 2:
+      runtime.iterate_serial(i, peer)
+  (chained, by_stage) = runtimes
+  for i in range(3):
+    chex.assert_trees_all_close(chained.store.stage_params(i), by_stage.store.stage_params(i),
+                                atol=1e-6, rtol=1e-6)
+    chex.assert_trees_all_close(chained.store.stage_state(i), by_stage.store.stage_state(i),
+                                atol=1e-6, rtol=1e-6)
+  assert chained.store.weights.values == by_stage.store.weights.values
+  moved = jax.tree.leaves(chained.store.stage_state(0))[0] - jax.tree.leaves(
+      make_layup_runtime(3).store.stage_state(0))[0]
+  assert float(jnp.abs(moved).max()) > 1e-4  # the chain stored new statistics
+  for runtime in runtimes:
+    runtime.close()
+
+
+@pytest.mark.parametrize("algorithm", ["layup", "layup-chained", "adpsgd", "ddp"])
 def test_no_compilation_happens_inside_the_training_loop(algorithm):
   # LayUp's local steps are fused into the backward; AD-PSGD's are not (separate updates).
   from layup_jax.algorithms.gossip import ADPSGD
@@ -446,6 +468,7 @@ def test_no_compilation_happens_inside_the_training_loop(algorithm):
       compiles.append(name)
 
   runtime = {"layup": lambda: make_layup_runtime(4),
+             "layup-chained": lambda: make_layup_runtime(4, chain_forwards=True),
              "adpsgd": lambda: make_layup_runtime(4, exchange=ADPSGD),
              "ddp": lambda: _ddp_runtime(4)}[algorithm]()
   runtime.compile()

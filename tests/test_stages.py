@@ -3,14 +3,15 @@
 import functools
 
 import chex
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
 
-from layup_jax import models, replicas, stages
+from layup_jax import models, packing, replicas, stages
 from layup_jax.data import digits
-from tests.helpers import mlp_model
+from tests.helpers import DenseBN, FlatDense, mlp_model
 
 
 def _digits_batch(size=16):
@@ -39,6 +40,50 @@ def test_staged_gradients_equal_jax_grad_of_the_composed_model(tiny_config, mode
   # The train-mode BatchNorm statistics did move, so the state comparison is not vacuous.
   moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), new_state[0], state[0])
   assert max(jax.tree.leaves(moved)) > 1e-3
+
+
+class _ReadsTied(nn.Module):
+  """A middle stage that multiplies by the transpose of stage 0's kernel (a tie inside the
+  forwards, as GPT-2's head is at the end)."""
+
+  @nn.compact
+  def __call__(self, inputs, train: bool):
+    x, kernel = inputs
+    return nn.relu(nn.BatchNorm(use_running_average=not train)(x @ kernel.T))
+
+
+def _tied_mlp() -> stages.StagedModel:
+  return stages.StagedModel([DenseBN(16), _ReadsTied(), DenseBN(8), FlatDense(10)],
+                            ties=(stages.Tie(0, 1, ("Dense_0", "kernel")),))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("model_name", ["resnet", "tied"])
+def test_the_forwards_as_one_program_give_the_stage_by_stage_gradients(tiny_config, model_name,
+                                                                       packed):
+  model = models.make_model(tiny_config.model) if model_name == "resnet" else _tied_mlp()
+  images, labels = _digits_batch()
+  params, state = model.init(jax.random.key(0), images)
+  if packed:
+    packings = [packing.StagePacking.of(p) for p in params]
+    layouts = [packing.StagePacking.of(st) if jax.tree.leaves(st) else None for st in state]
+    params = [k.pack(p) for k, p in zip(packings, params)]
+    state = [k.pack(st) if k else st for k, st in zip(layouts, state)]
+  options = {"packings": packings, "state_packings": layouts} if packed else {}
+  key, iteration = jax.random.key(1), np.int32(3)
+  by_stage, chained = (
+      stages.staged_value_and_grad(
+          model, stages.make_stage_steps(model, chain_forwards=chain, **options), params, state,
+          images, labels, key, iteration)
+      for chain in (False, True))
+  assert float(chained[0]) == pytest.approx(float(by_stage[0]), rel=1e-6)
+  chex.assert_trees_all_close(chained[1:], by_stage[1:], atol=1e-6, rtol=1e-5)
+  if not packed:  # and both are the composed model's gradient, the tie's two parts summed
+    (_, _), want = jax.value_and_grad(model.loss, has_aux=True)(params, state, images, labels,
+                                                                key, iteration)
+    chex.assert_trees_all_close(chained[1], want, atol=1e-5, rtol=1e-4)
+  moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), chained[2][0], state[0])
+  assert max(jax.tree.leaves(moved)) > 1e-3  # the statistics the chain stored moved
 
 
 def test_one_stage_model_has_no_input_gradient():
