@@ -12,6 +12,10 @@ same round, so both sides see the same moments of a shared machine.
   python scripts/bench_train.py --config configs/digits.py --algorithms layup ddp --repeats 3
   python scripts/bench_train.py --config configs/fashion_mnist.py --algorithms layup ddp \
       --set num_steps=234 --repeats 3 --out bench_train_fashion.json
+  python scripts/bench_train.py --algorithms layup ddp --variant "chain layup.chain_forwards=True"
+
+A variant is "NAME KEY=VALUE ..." (config overrides), run as `<algorithm>:NAME` beside the plain
+algorithm for every algorithm but DDP, in the same rounds; `--set` overrides every run's config.
 """
 
 import argparse
@@ -29,7 +33,8 @@ sys.path.insert(0, ROOT)
 from layup_jax import provenance
 
 
-def run_once(config: str, algorithm: str, overrides: list[str], workdir: str) -> dict:
+def run_once(config: str, algorithm: str, overrides: list[str], workdir: str,
+             label: str | None = None) -> dict:
   command = [sys.executable, "-m", "layup_jax.train", "--config", f"{config}:{algorithm}",
              "--workdir", workdir, "--config.progress_bar=False",
              *[f"--config.{o}" for o in overrides]]
@@ -39,7 +44,7 @@ def run_once(config: str, algorithm: str, overrides: list[str], workdir: str) ->
     raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
-  return {"algorithm": algorithm, "wall_time_s": summary["wall_time_s"],
+  return {"algorithm": label or algorithm, "wall_time_s": summary["wall_time_s"],
           "samples_per_s": summary["train_samples_per_s"],
           "accuracy": summary["final_eval_accuracy"], "compile_s": summary["compile_s"],
           "host_threads_cpu_s": summary.get("host_threads_cpu_s"),
@@ -53,23 +58,29 @@ def main() -> None:
   parser.add_argument("--algorithms", nargs="+", default=["layup", "ddp"])
   parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                       help="config overrides for every run, e.g. num_steps=234")
+  parser.add_argument("--variant", action="append", default=[],
+                      help='"NAME KEY=VALUE ...": config overrides, run beside the algorithms')
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default="bench_train.json")
   args = parser.parse_args()
 
+  cases = [(a, a, []) for a in args.algorithms]
+  for variant in args.variant:
+    name, *overrides = variant.split()
+    cases += [(f"{a}:{name}", a, overrides) for a in args.algorithms if a != "ddp"]
   runs = []
   with tempfile.TemporaryDirectory() as scratch:
     for repeat in range(args.repeats):
-      for algorithm in args.algorithms:
-        row = run_once(args.config, algorithm, args.set,
-                       os.path.join(scratch, f"{algorithm}-{repeat}"))
+      for label, algorithm, overrides in cases:
+        row = run_once(args.config, algorithm, args.set + overrides,
+                       os.path.join(scratch, f"{label.replace(':', '-')}-{repeat}"), label)
         runs.append({"repeat": repeat, **row})
         print(json.dumps(runs[-1]), flush=True)
 
   first = args.algorithms[0]
   by_round = {(r["repeat"], r["algorithm"]): r for r in runs}
   table = []
-  for algorithm in args.algorithms:
+  for algorithm, _, _ in cases:
     mine = [r for r in runs if r["algorithm"] == algorithm]
     time_ratio = [by_round[(r["repeat"], algorithm)]["wall_time_s"]
                   / by_round[(r["repeat"], first)]["wall_time_s"] for r in mine]
@@ -85,14 +96,15 @@ def main() -> None:
         "wall_time_all": [r["wall_time_s"] for r in mine],
     })
   print(f"\n{args.config} {' '.join(args.set)}, {args.repeats} alternated rounds (medians)")
-  print(f"{'algorithm':<10} {'train s':>8} {'samples/s':>10} {'accuracy':>9} "
+  print(f"{'algorithm':<14} {'train s':>8} {'samples/s':>10} {'accuracy':>9} "
         f"{'time / ' + first:>12} {'threads s':>9}  all train s")
   for row in table:
-    print(f"{row['algorithm']:<10} {row['wall_time_s']:>8.2f} {row['samples_per_s']:>10.0f} "
+    print(f"{row['algorithm']:<14} {row['wall_time_s']:>8.2f} {row['samples_per_s']:>10.0f} "
           f"{row['accuracy']:>9.4f} {row[f'time_vs_{first}']:>12.3f} "
           f"{'-' if row['host_threads_cpu_s'] is None else format(row['host_threads_cpu_s'], '.2f'):>9}  "
           f"{', '.join(f'{t:.2f}' for t in row['wall_time_all'])}")
   result = {"benchmark": "bench_train", "config": args.config, "overrides": args.set,
+            "variants": args.variant,
             "repeats": args.repeats, "cores": os.cpu_count(),
             "code_version": provenance.code_version(),
             "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
