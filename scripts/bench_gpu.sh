@@ -44,7 +44,8 @@ out=$(cd "${OUT:-bench_gpu_out}" && pwd)
 before="${1:-}"
 trees=(".")
 if [[ -n "$before" ]]; then
-  cp scripts/bench_host.py scripts/bench_step.py scripts/allocator_choice.py "$before/scripts/"
+  cp scripts/bench_host.py scripts/bench_step.py scripts/allocator_choice.py \
+    scripts/perfetto_events.py "$before/scripts/"
   trees+=("$before")
 fi
 export PYTHONUNBUFFERED=1

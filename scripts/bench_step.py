@@ -37,7 +37,6 @@ cannot (docs/host.md, "On a GPU node").
 import argparse
 import collections
 import functools
-import gzip
 import json
 import os
 import pathlib
@@ -53,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import allocator_choice
 import jax
 import numpy as np
+import perfetto_events
 
 from configs import base
 from layup_jax import data, models, optim, provenance
@@ -155,10 +155,7 @@ def trace_summary(trace_dir: pathlib.Path, iters: int, top: int = 8) -> dict:
   """Per process of the newest perfetto trace under `trace_dir`: milliseconds per iteration its
   events cover, events per iteration, and its `top` event names by total time (ms and count per
   iteration)."""
-  path = max(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"), key=os.path.getmtime)
-  with gzip.open(path) as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  _, events = perfetto_events.newest(trace_dir)
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   spans, by_name = collections.defaultdict(list), collections.defaultdict(collections.Counter)

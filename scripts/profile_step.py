@@ -12,8 +12,6 @@ times are inflated; read them as shares).
 
 import argparse
 import collections
-import gzip
-import json
 import os
 import pathlib
 import sys
@@ -25,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import allocator_choice
 import jax
+import perfetto_events
 
 from configs import digits
 from layup_jax import algorithms, data, models, optim
@@ -51,10 +50,7 @@ def build(model_name: str, num_devices: int, gossip: bool):
 
 def summarize(trace_dir: pathlib.Path, top: int) -> None:
   """Prints the events with the largest total duration, by thread and name."""
-  path = max(trace_dir.glob("plugins/profile/*/perfetto_trace.json.gz"), key=os.path.getmtime)
-  with gzip.open(path) as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  path, events = perfetto_events.newest(trace_dir)
   threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
   total, count = collections.defaultdict(float), collections.Counter()
