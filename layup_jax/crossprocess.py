@@ -5,10 +5,10 @@ A send to a device of another process (an outbox's send, layup_jax/transport.py)
 computed stage to this process's transfer server under a fresh uuid (`await_pull`) and then
 queues a notice `(uuid, peer, stage, push-sum amount)` for `layup_jax/gossip/<to>/<from>/<b>/<n>`,
 n counting the notices from this process to that one (b = its batch of 64). A notice writer per
-other process (a thread of its own) writes them in order, and an acknowledgement reader (another)
-reads that process's acknowledgements while any is outstanding: each is a round trip to the
-coordination service, which on the updater's thread took half of its time at remote peers 1 in
-2 (docs/multihost.md). The peer's process has one receiver thread per other process (started by
+other process (a thread of its own) writes them in order and reads that process's
+acknowledgements while any is outstanding: each is a round trip to the coordination service,
+which on the updater's thread took half of its time at remote peers 1 in 2
+(docs/multihost.md). The peer's process has one receiver thread per other process (started by
 the runtime): it waits for notice n, pulls the arrays onto the peer's device, merges them into
 the replica with the same atomic write as a local send (`ReplicaStore.merge`: the push-sum
 amount added to w_{j,s} with the stage), and acknowledges with
@@ -48,7 +48,7 @@ _NOTICE_WAIT_MS = 200  # a receiver looks at the stop flag this often while no n
 _ACK_EVERY = 16
 _IDLE_MS = 2
 _BATCH = 64
-_ACK_POLL_S = 0.002  # how often an acknowledgement reader reads them while any is due
+_ACK_POLL_S = 0.002  # how often a notice writer reads the acknowledgements while any is due
 _PULL_POLL_S = 0.001  # how often an elastic run's pull looks whether its source was lost
 
 
@@ -243,7 +243,7 @@ class RemotePeers:
     into stage s with the push-sum `amount` (its latency is recorded there, in `latencies`)."""
     process = self._process_of[peer]
     notice = self._next_notice(process)
-    while notice - self._acked[process] > self.max_in_flight:  # read by its ack reader
+    while notice - self._acked[process] > self.max_in_flight:  # read by its notice writer
       if stopped() or process in self.lost:
         break
       time.sleep(_ACK_POLL_S)
@@ -272,13 +272,15 @@ class RemotePeers:
 
   def write_notices(self, process: int, stopped: Callable[[], bool]) -> None:
     """The notice writer for `process` (a runtime thread), until `stopped()`: writes the queued
-    notices in order, each as soon as the one before it is written (a queued notice wakes it
-    at once). Nothing goes to a process declared lost (`lose` drops its queue)."""
+    notices in order, and while any notice to it is unacknowledged reads its acknowledgements
+    (every `_ACK_POLL_S`), which `backlog` and `send` then read without a round trip. Nothing
+    goes to a process declared lost (`lose` drops its queue)."""
     queue = self._outgoing[process]
     while not stopped():
       with self._lock:
-        if not queue:
-          self._queued.wait(_NOTICE_WAIT_MS / 1e3)
+        if not queue:  # a queued notice wakes it at once
+          outstanding = self._acked[process] < self._sent[process]
+          self._queued.wait(_ACK_POLL_S if outstanding else _NOTICE_WAIT_MS / 1e3)
         batch = list(queue)
         queue.clear()
       try:
@@ -286,27 +288,11 @@ class RemotePeers:
           if process in self.lost:
             break
           self._client.key_value_set(key, value)
+        if self._acked[process] < self._sent[process] and process not in self.lost:
+          self.acknowledged(process)
       except Exception:
         if process not in self.lost and not distributed.members.await_loss(process):
           raise
-
-  def read_acknowledgements(self, process: int, stopped: Callable[[], bool]) -> None:
-    """The acknowledgement reader for `process` (a runtime thread), until `stopped()`: while any
-    notice to it is unacknowledged, reads its acknowledgements every `_ACK_POLL_S`, which
-    `backlog` and `send` then read without a round trip. A thread apart from the notice
-    writer's, so that a notice never waits behind a read (on a slow link a round trip to the
-    coordination service queues behind the stages' pulls)."""
-    while not stopped():
-      with self._lock:
-        if self._acked[process] >= self._sent[process] or process in self.lost:
-          self._queued.wait(_NOTICE_WAIT_MS / 1e3)  # a queued notice wakes it
-          continue
-      try:
-        self.acknowledged(process)
-      except Exception:
-        if process not in self.lost and not distributed.members.await_loss(process):
-          raise
-      time.sleep(_ACK_POLL_S)
 
   def _offer(self, part: PyTree) -> int:
     """Offers `part` (computed) to one pull under a fresh uuid; returns the uuid."""
@@ -322,9 +308,9 @@ class RemotePeers:
       return sum(self._sent.values())
 
   def backlog(self, peer: int) -> int:
-    """Sends to `peer`'s process not merged there yet, by the acknowledgements its
-    acknowledgement reader read (every `_ACK_POLL_S` while any is outstanding; a read of the
-    store costs more than a send)."""
+    """Sends to `peer`'s process not merged there yet, by the acknowledgements its notice
+    writer read (every `_ACK_POLL_S` while any is outstanding; a read of the store costs more
+    than a send)."""
     process = self._process_of[peer]
     with self._lock:
       return self._sent[process] - self._acked[process]

@@ -303,7 +303,7 @@ class AsyncRuntime:
 
     self.threads.start([(f"layup-{s.name}", lambda s=s: run(s))
                          for s in dict.fromkeys((self.dispatcher, self.updater))]
-                        + self.transport.loops())  # per other process: receiver, notices, acks
+                        + self.transport.loops())  # a receiver, a notice writer per other process
 
   def _pins_threads(self) -> bool:
     """Whether the dispatcher and updater threads share one CPU (`layup.pin_host_threads`):

@@ -175,17 +175,14 @@ class Transport:
     yield from self._store.average_pair(i, j, s)
 
   def loops(self) -> list[tuple[str, Callable[[], None]]]:
-    """The loops to run on threads of their own: per other process, a receiver, a notice
-    writer and an acknowledgement reader (crossprocess.RemotePeers.write_notices,
-    read_acknowledgements; these two outlive a rejoin of that process)."""
+    """The loops to run on threads of their own: per other process, a receiver and a notice
+    writer (crossprocess.RemotePeers.write_notices; it outlives a rejoin of that process)."""
     if self._remote is None:
       return []
-    remote, others = self._remote, self._remote.other_processes()
+    others = self._remote.other_processes()
     return [self._loop(k) for k in others] + [
-        (f"layup-{role}-{k}", lambda k=k, loop=loop: loop(k, self._stopped))
-        for k in others
-        for role, loop in (("notices", remote.write_notices),
-                           ("acks", remote.read_acknowledgements))]
+        (f"layup-notices-{k}", lambda k=k: self._remote.write_notices(k, self._stopped))
+        for k in others]
 
   def _loop(self, k: int) -> tuple[str, Callable[[], None]]:
     return (f"layup-receiver-{k}", lambda: self._remote.receive(k, self._stopped))
