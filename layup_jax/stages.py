@@ -406,9 +406,8 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   def forward_chain(params, states, x, keys, iteration):
     inputs, new_states, residuals = [], [], []
     for s, forward in enumerate(chained):
-      tie = model.tie_of(s)
       if s > 0:
-        x = x if tie is None else (x, tree_get(unpack[tie.owner](params[tie.owner]), tie.path))
+        x = model.stage_input(s, x, lambda owner: unpack[owner](params[owner]))
         inputs.append(x)
       x, new_state, vjp = forward(params[s], states[s], x, keys[s], iteration)
       new_states.append(new_state)

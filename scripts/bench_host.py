@@ -37,9 +37,10 @@ pipeline's budget (`scripts/bench_input.py`), not this one. Latency sampling is 
 fewer, larger stages, so fewer programs, sends and merges per iteration. `--fuse-local-step on
 off` runs each algorithm with and without the local step in the backward's program
 (`layup.fuse_local_step`), one row after the other; `--chain-forwards on off` with an
-iteration's forwards as one program and stage by stage (`layup.chain_forwards`). `--allocator system` runs the script under
-the C library's malloc; the default, `auto`, starts it again under TCMalloc or jemalloc where
-one is installed, as `python -m layup_jax.train` does (`host_allocator`, docs/host.md).
+iteration's forwards as one program and stage by stage (`layup.chain_forwards`). `--allocator
+system` runs the script under the C library's malloc; the default, `auto`, starts it again
+under TCMalloc or jemalloc where one is installed, as `python -m layup_jax.train` does
+(`host_allocator`, docs/host.md).
 """
 
 import argparse

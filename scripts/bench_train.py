@@ -80,12 +80,12 @@ def main() -> None:
   first = args.algorithms[0]
   by_round = {(r["repeat"], r["algorithm"]): r for r in runs}
   table = []
-  for algorithm, _, _ in cases:
-    mine = [r for r in runs if r["algorithm"] == algorithm]
-    time_ratio = [by_round[(r["repeat"], algorithm)]["wall_time_s"]
+  for label, _, _ in cases:  # a run's "algorithm" is its case's label
+    mine = [r for r in runs if r["algorithm"] == label]
+    time_ratio = [by_round[(r["repeat"], label)]["wall_time_s"]
                   / by_round[(r["repeat"], first)]["wall_time_s"] for r in mine]
     table.append({
-        "algorithm": algorithm,
+        "algorithm": label,
         "wall_time_s": statistics.median(r["wall_time_s"] for r in mine),
         "samples_per_s": statistics.median(r["samples_per_s"] for r in mine),
         "accuracy": statistics.median(r["accuracy"] for r in mine),
