@@ -119,6 +119,9 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   probability = config.distributed.remote_peer_probability
   _require(probability == -1 or 0 <= probability <= 1, "distributed.remote_peer_probability",
            probability, "must be in [0, 1], or -1 for peers uniform over the run's devices")
+  poll = config.layup.idle_poll_s
+  _require(poll == -1 or poll > 0, "layup.idle_poll_s", poll,
+           "must be > 0 (seconds), or -1 to choose by the devices' platform")
   _at_least(config, "baselines.tau", 1)
   _at_least(config, "baselines.out_freq", 0)
   for key in ("baselines.slow_lr", "baselines.slow_momentum", "baselines.co2_clip",

@@ -15,7 +15,7 @@ CONFIG_KEYS = {
     "gossip": "layup.gossip", "max_dispatch_ahead": "layup.max_dispatch_ahead",
     "max_sends_in_flight": "layup.max_sends_in_flight", "pack_stages": "layup.pack_stages",
     "fuse_local_step": "layup.fuse_local_step", "updater_thread": "layup.updater_thread",
-    "pin_host_threads": "layup.pin_host_threads",
+    "pin_host_threads": "layup.pin_host_threads", "idle_poll_s": "layup.idle_poll_s",
     "remat": "layup.remat", "chain_forwards": "layup.chain_forwards",
     "nonfinite": "faults.nonfinite",
     "latency_every": "metrics.latency_every", "straggler_device": "straggler.device",
@@ -42,6 +42,7 @@ class RuntimeOptions:
   fuse_local_step: bool = True
   updater_thread: bool = True
   pin_host_threads: str = "auto"
+  idle_poll_s: float = -1.0
   remat: str = "dots"
   chain_forwards: bool = False
   nonfinite: str = "stop"
@@ -68,6 +69,9 @@ class RuntimeOptions:
     if self.max_remote_backlog < 0:
       raise ValueError(f"max_remote_backlog must be >= 0 (0: no bound), got "
                        f"{self.max_remote_backlog}")
+    if not (self.idle_poll_s == -1.0 or self.idle_poll_s > 0.0):
+      raise ValueError(f"idle_poll_s must be > 0, or -1 (by the devices' platform), got "
+                       f"{self.idle_poll_s}")
     if self.max_dispatch_ahead < 1:
       raise ValueError(f"max_dispatch_ahead must be >= 1, got {self.max_dispatch_ahead}")
 

@@ -45,6 +45,11 @@ from layup_jax.transport import Outbox, Transport
 from layup_jax.warmup import compile_runtime
 
 PyTree = Any
+# How long an idle scheduler sleeps at most (`layup.idle_poll_s` = -1): where the devices are
+# the host's CPUs, 1 ms (on the 2-core development machine 0.1 ms cost the scheduler threads
+# 1.5x the CPU time and 5-10 % of the samples per second: docs/host.md "The idle poll");
+# elsewhere 0.1 ms, as before (a GPU's stages are short; its host has cores to spare).
+_CPU_IDLE_POLL_S, _IDLE_POLL_S = 1e-3, 1e-4
 _UPDATER_CLOSES = object()  # a handed-over stage whose iteration's checks the updater closes
 
 
@@ -112,8 +117,10 @@ class AsyncRuntime:
     # The dispatcher's thread runs the compute tasks; the updater tasks run on a thread of
     # their own (the two take turns, `scheduler.Turns`) or on the dispatcher's.
     turns = Turns()
-    self.dispatcher = Scheduler("dispatcher", turns)
-    self.updater = Scheduler("updater", turns) if options.updater_thread else self.dispatcher
+    poll = self.idle_poll_s()
+    self.dispatcher = Scheduler("dispatcher", turns, poll)
+    self.updater = (Scheduler("updater", turns, poll) if options.updater_thread
+                    else self.dispatcher)
     self._budget = Budget(self.num_devices, on_grant=self.dispatcher.wake)
 
   @property
@@ -304,6 +311,14 @@ class AsyncRuntime:
     self.threads.start([(f"layup-{s.name}", lambda s=s: run(s))
                          for s in dict.fromkeys((self.dispatcher, self.updater))]
                         + self.transport.loops())  # a receiver, a notice writer per other process
+
+  def idle_poll_s(self) -> float:
+    """How long an idle scheduler sleeps at most before it looks at its tasks again
+    (`layup.idle_poll_s`; -1: 1 ms where the devices are the host's own CPUs, whose every
+    look takes time from the devices' work, else 0.1 ms)."""
+    if self.options.idle_poll_s > 0:
+      return self.options.idle_poll_s
+    return _CPU_IDLE_POLL_S if self.run_devices[0].platform == "cpu" else _IDLE_POLL_S
 
   def _pins_threads(self) -> bool:
     """Whether the dispatcher and updater threads share one CPU (`layup.pin_host_threads`):

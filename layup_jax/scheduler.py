@@ -32,7 +32,7 @@ import jax
 PyTree = Any
 Task = Generator[Any, None, Any]
 _FIRST_POLL_S = 20e-6  # an idle scheduler looks again after this long, doubling up to ...
-_LAST_POLL_S = 1e-4  # ... this (a readiness it missed costs at most this much latency)
+_LAST_POLL_S = 1e-4  # ... this by default (a readiness it missed costs at most this latency)
 _HOLD_S = 2e-3  # a busy scheduler hands the turn to a waiting thread after this long
 
 
@@ -135,8 +135,12 @@ class _NoTurn:
 class Scheduler:
   """Runs tasks cooperatively on the thread that calls `run` (or `step`)."""
 
-  def __init__(self, name: str, turn: Any = None):
+  def __init__(self, name: str, turn: Any = None, max_poll_s: float = _LAST_POLL_S):
+    """`max_poll_s`: the longest an idle `run` sleeps before it looks at its tasks again (the
+    runtime's `layup.idle_poll_s`): each look costs the host CPU time, each missed readiness
+    at most this much latency."""
     self.name = name
+    self.max_poll_s = max_poll_s
     self._turn = turn if turn is not None else _NoTurn()
     self._tasks: list[_Running] = []
     self._added: list[_Running] = []
@@ -147,6 +151,7 @@ class Scheduler:
     # Wall time `run` spent asleep with nothing to run, and waiting for the turn (the other
     # thread's): where a slow stretch of a run went (scripts/bench_step.py reports them).
     self.idle_s = self.turn_wait_s = 0.0
+    self.idle_waits = 0  # how often `run` slept with nothing to run
 
   def spawn(self, name: str, task: Task) -> None:
     with self._lock:
@@ -206,7 +211,8 @@ class Scheduler:
         self._wake.wait(poll)
         self._wake.clear()
         self.idle_s += time.perf_counter() - asleep
-        poll = min(2 * poll, _LAST_POLL_S)
+        self.idle_waits += 1
+        poll = min(2 * poll, self.max_poll_s)
         held_since = self._take(turn)
     finally:
       turn.release()

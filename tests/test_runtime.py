@@ -742,3 +742,30 @@ def test_a_scheduler_counts_the_time_it_slept_with_nothing_to_run():
   # Nothing could run for 50 ms: the scheduler slept through most of it, never longer than it ran.
   assert 0.025 < scheduler.idle_s <= wall
   assert scheduler.turn_wait_s <= wall
+
+
+def test_an_idle_scheduler_looks_again_at_most_every_max_poll_s():
+  from layup_jax.scheduler import Scheduler, Sleep
+
+  def waits(seconds):
+    yield Sleep(seconds)
+
+  def idle_waits(max_poll_s):
+    scheduler = Scheduler("probe", max_poll_s=max_poll_s)
+    scheduler.spawn("waiting", waits(0.05))
+    scheduler.run(stopped=lambda: len(scheduler) == 0)
+    return scheduler.idle_waits
+
+  # 50 ms with nothing to run: at a 5 ms cap, 6 doublings from 20 us then about 10 looks; at
+  # the 0.1 ms default, hundreds (each look is host CPU time taken from CPU devices' work).
+  assert idle_waits(5e-3) <= 20 < idle_waits(1e-4)
+
+
+@pytest.mark.parametrize("configured, expected", [(-1.0, 1e-3), (2e-4, 2e-4)])
+def test_the_idle_poll_is_chosen_by_the_devices_platform_unless_configured(configured, expected):
+  runtime = make_layup_runtime(2, idle_poll_s=configured)
+  try:
+    # CPU devices here: -1 chooses 1 ms (their work shares the host's cores with every look).
+    assert runtime.dispatcher.max_poll_s == runtime.updater.max_poll_s == expected
+  finally:
+    runtime.close()
