@@ -32,7 +32,7 @@ import jax
 PyTree = Any
 Task = Generator[Any, None, Any]
 _FIRST_POLL_S = 20e-6  # an idle scheduler looks again after this long, doubling up to ...
-_LAST_POLL_S = 1e-4  # ... this by default (a readiness it missed costs at most this latency)
+MAX_POLL_S = 1e-4  # ... this by default (a readiness it missed costs at most this latency)
 _HOLD_S = 2e-3  # a busy scheduler hands the turn to a waiting thread after this long
 
 
@@ -135,7 +135,7 @@ class _NoTurn:
 class Scheduler:
   """Runs tasks cooperatively on the thread that calls `run` (or `step`)."""
 
-  def __init__(self, name: str, turn: Any = None, max_poll_s: float = _LAST_POLL_S):
+  def __init__(self, name: str, turn: Any = None, max_poll_s: float = MAX_POLL_S):
     """`max_poll_s`: the longest an idle `run` sleeps before it looks at its tasks again (the
     runtime's `layup.idle_poll_s`): each look costs the host CPU time, each missed readiness
     at most this much latency."""
