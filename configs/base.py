@@ -249,7 +249,8 @@ def get_config() -> ml_collections.ConfigDict:
   # takes 31.5 s on the digits at 20 Mbit/s (9.7 s at 1 in 20): give it 0.05 on a slow link.
   # 1 in 2 with int8 (2026-11-28, beside DDP): 0.9046 against 0.9055 at 1 in 5, twice the bytes,
   # the same time to 0.88. The same 1-in-5 choice between two groups of 4 inside one process
-  # ends 0.4 pt below uniform peers (0.9023 vs 0.9062): the choice, not the link, costs that.
+  # ended 0.4 pt below uniform peers on 2026-11-28 (0.9023 vs 0.9062) and 0.9056 in a rerun on
+  # 2026-11-29: what the choice costs is within LayUp's spread between sessions.
   config.distributed.remote_peer_probability = 0.2
   config.distributed.max_remote_backlog = 4
   # How gossip sends (LayUp's, GoSGD's; AD-PSGD's pairwise averages go exact) to other
