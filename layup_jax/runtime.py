@@ -37,20 +37,14 @@ from layup_jax.options import RuntimeOptions
 from layup_jax.replicas import ReplicaStore
 from layup_jax.run_stats import RunStats, StageTimer
 from layup_jax.runtime_state import RuntimeCheckpoint
-from layup_jax.scheduler import MAX_POLL_S, Ready, Scheduler, Task, Turns, Until, awaited, drive
+from layup_jax.scheduler import Ready, Scheduler, Task, Turns, Until, awaited, drive
 from layup_jax.stages import StagedModel, staged_pass
 from layup_jax.straggler import IterationClock
-from layup_jax.threads import Threads, pin_calling_thread, shared_core
+from layup_jax.threads import Threads, idle_poll_s, pin_calling_thread, pins_threads, shared_core
 from layup_jax.transport import Outbox, Transport
 from layup_jax.warmup import compile_runtime
 
 PyTree = Any
-# How long an idle scheduler sleeps at most (`layup.idle_poll_s` = -1) where the devices are
-# the host's CPUs: 1 ms (on the 2-core development machine the scheduler's default, 0.1 ms,
-# cost its threads 1.4-1.7x the CPU time and 5-10 % of the samples per second: docs/host.md
-# "The idle poll"); elsewhere the scheduler's default (a GPU's stages are short; its host has
-# cores to spare).
-_CPU_IDLE_POLL_S = 1e-3
 _UPDATER_CLOSES = object()  # a handed-over stage whose iteration's checks the updater closes
 
 
@@ -118,7 +112,7 @@ class AsyncRuntime:
     # The dispatcher's thread runs the compute tasks; the updater tasks run on a thread of
     # their own (the two take turns, `scheduler.Turns`) or on the dispatcher's.
     turns = Turns()
-    poll = self._idle_poll_s()
+    poll = idle_poll_s(options.idle_poll_s, self.run_devices[0].platform)
     self.dispatcher = Scheduler("dispatcher", turns, poll)
     self.updater = (Scheduler("updater", turns, poll) if options.updater_thread
                     else self.dispatcher)
@@ -301,7 +295,9 @@ class AsyncRuntime:
   def start_threads(self) -> None:
     self._spawn_tasks()
     stopped = self.threads.stopped
-    core = shared_core(jax.process_index()) if self._pins_threads() else None
+    pinned = pins_threads(self.options.pin_host_threads, self.updater is not self.dispatcher,
+                          self.run_devices[0].platform)
+    core = shared_core(jax.process_index()) if pinned else None
 
     def run(scheduler: Scheduler) -> None:
       pin_calling_thread(core)
@@ -312,22 +308,6 @@ class AsyncRuntime:
     self.threads.start([(f"layup-{s.name}", lambda s=s: run(s))
                          for s in dict.fromkeys((self.dispatcher, self.updater))]
                         + self.transport.loops())  # a receiver, a notice writer per other process
-
-  def _idle_poll_s(self) -> float:
-    """How long an idle scheduler sleeps at most before it looks at its tasks again
-    (`layup.idle_poll_s`; -1: 1 ms where the devices are the host's own CPUs, whose every
-    look takes time from the devices' work, else 0.1 ms)."""
-    if self.options.idle_poll_s > 0:
-      return self.options.idle_poll_s
-    return _CPU_IDLE_POLL_S if self.run_devices[0].platform == "cpu" else MAX_POLL_S
-
-  def _pins_threads(self) -> bool:
-    """Whether the dispatcher and updater threads share one CPU (`layup.pin_host_threads`):
-    only where there are two, and under "auto" only where the devices are not the host's own
-    CPUs (their work would then share that CPU too)."""
-    mode = self.options.pin_host_threads
-    return self.updater is not self.dispatcher and (
-        mode == "on" or (mode == "auto" and self.run_devices[0].platform != "cpu"))
 
   def raise_if_failed(self) -> None:
     """Raises the first failure, naming its task, device and stage (or its thread)."""

@@ -9,6 +9,31 @@ import os
 import threading
 from collections.abc import Callable
 
+from layup_jax.scheduler import MAX_POLL_S
+
+# How long an idle scheduler sleeps at most (`layup.idle_poll_s` = -1) where the devices are
+# the host's CPUs: 1 ms (on the 2-core development machine the scheduler's default, 0.1 ms,
+# cost its threads 1.4-1.7x the CPU time and 5-10 % of the samples per second: docs/host.md
+# "The idle poll"); elsewhere the scheduler's default (a GPU's stages are short; its host has
+# cores to spare).
+CPU_IDLE_POLL_S = 1e-3
+
+
+def idle_poll_s(configured: float, platform: str) -> float:
+  """How long an idle scheduler sleeps at most before it looks at its tasks again
+  (`layup.idle_poll_s`; -1: `CPU_IDLE_POLL_S` where the devices are the host's own CPUs, whose
+  every look takes time from the devices' work, else the scheduler's default)."""
+  if configured > 0:
+    return configured
+  return CPU_IDLE_POLL_S if platform == "cpu" else MAX_POLL_S
+
+
+def pins_threads(mode: str, two_threads: bool, platform: str) -> bool:
+  """Whether the dispatcher and updater threads share one CPU (`layup.pin_host_threads`):
+  only where there are two, and under "auto" only where the devices are not the host's own
+  CPUs (their work would then share that CPU too)."""
+  return two_threads and (mode == "on" or (mode == "auto" and platform != "cpu"))
+
 
 def shared_core(index: int) -> set[int] | None:
   """One CPU for the runtime's turn-taking threads (the dispatcher and the updater) of the

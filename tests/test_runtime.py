@@ -728,6 +728,16 @@ def test_processes_sharing_a_host_pin_their_threads_to_different_cpus():
   assert threads.shared_core(len(allowed)) == chosen[0]  # more processes than CPUs: in turn
 
 
+@pytest.mark.parametrize("mode, two_threads, platform, pinned", [
+    ("auto", True, "gpu", True), ("auto", True, "cpu", False), ("on", True, "cpu", True),
+    ("on", False, "gpu", False), ("off", True, "gpu", False)])
+def test_auto_pins_the_two_threads_only_where_the_devices_are_not_the_hosts_cpus(
+    mode, two_threads, platform, pinned):
+  # Where the devices are CPUs their work shares the host's cores, and one thread has nothing
+  # to share a core with; the other platforms cannot be made here, so the choice is its own.
+  assert threads.pins_threads(mode, two_threads, platform) is pinned
+
+
 def test_a_scheduler_counts_the_time_it_slept_with_nothing_to_run():
   from layup_jax.scheduler import Scheduler, Sleep
 
