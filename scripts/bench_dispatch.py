@@ -19,8 +19,13 @@ The wrappers add their own host time (a few microseconds per call, outside what 
 so the run's wall time here is not bench_host's figure. Medians over `--repeats` runs, each on
 a fresh runtime, alternating the `--updater-thread` rows.
 
+`--split-cores` (as bench_host.py's) starts XLA's threads on the first CPU and runs the
+runtime's threads, and the calls alone, on the others: whether a call costs more in a run
+because the devices' work shares the dispatching thread's cores.
+
   python scripts/bench_dispatch.py
   python scripts/bench_dispatch.py --case resnet50-cifar --updater-thread off
+  python scripts/bench_dispatch.py --split-cores
 """
 
 import argparse
@@ -140,10 +145,13 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--alone", type=int, default=300, help="calls of each program alone")
   parser.add_argument("--updater-thread", nargs="+", default=["on", "off"], choices=["on", "off"])
+  parser.add_argument("--split-cores", action="store_true",
+                      help="XLA's threads on the first CPU, the dispatching on the others")
   allocator_choice.add_option(parser)
   parser.add_argument("--out", default="bench_dispatch.json")
   args = parser.parse_args()
   host_allocator = allocator_choice.use(args.allocator)
+  split = bench_host.split_cores() if args.split_cores else None
 
   runs = collections.defaultdict(list)
   for r in range(args.repeats):
@@ -168,7 +176,9 @@ def main() -> None:
 
   fmt = lambda v, spec: "-" if v is None else format(v, spec)
   print(f"\n{args.case}, {args.iterations} device-iterations per run, medians of {args.repeats}, "
-        f"host allocator {host_allocator}")
+        f"host allocator {host_allocator}"
+        + ("" if split is None else f", XLA's threads on CPUs {sorted(split[0])}, the "
+                                     f"dispatching on {sorted(split[1])}"))
   print(f"{'upd.th':<7}{'program':<22}{'calls/it':>9}{'cheap/it':>9}{'in run us':>10}"
         f"{'alone us':>9}{'run/alone':>10}")
   for row in table:
@@ -180,7 +190,11 @@ def main() -> None:
             "repeats": args.repeats, "machine": platform.machine(), "cores": os.cpu_count(),
             "jax": jax.__version__, "python": platform.python_version(),
             "code_version": provenance.code_version(), "measured": time.strftime("%Y-%m-%d %H:%M"),
-            "host_allocator": host_allocator, "table": table}
+            "host_allocator": host_allocator,
+            "split_cores": None if split is None else {"devices": sorted(split[0]),
+                                                       "host": sorted(split[1]),
+                                                       "thread_cpus": bench_host.thread_cpus()},
+            "table": table}
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)
   print(f"wrote {args.out}")

@@ -32,6 +32,17 @@ pipeline's budget (`scripts/bench_input.py`), not this one. Latency sampling is 
   python scripts/bench_host.py --cases resnet18-cifar --algorithms layup --stages-per-group 1 2 5
   python scripts/bench_host.py --cases resnet18-cifar resnet50-cifar --algorithms layup \
       --updater-thread on off
+  python scripts/bench_host.py --cases resnet18-cifar --algorithms layup --split-cores
+
+`--split-cores` measures what the budget asks of a host whose devices are not its CPUs: XLA's
+threads (the fake devices' work) are started on the first of the process's CPUs and the rest of
+the process, the runtime's dispatcher and updater threads and the serial block's thread among
+them, runs on the others, so no device work shares a core with the dispatching. On a 2-core
+machine that is one core each; the devices' work then runs on one core, which bounds `host
+ms/it` from below only where the devices are slower than the host (the `threads` column, the
+dispatching's own CPU time, is the figure). Where each thread ran is counted at the end
+(`thread_cpus` in the JSON: how many of the process's threads could run on which CPUs), so a
+thread XLA started later on the dispatching side would show.
 
 `--stages-per-group` runs the model with consecutive stages grouped (`model.stages_per_group`):
 fewer, larger stages, so fewer programs, sends and merges per iteration. `--fuse-local-step on
@@ -275,6 +286,35 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
   }
 
 
+def split_cores() -> tuple[set[int], set[int]]:
+  """Starts XLA's threads on the first allowed CPU and moves this thread, and every thread it
+  starts from now on, to the others (`--split-cores`); returns (devices' CPUs, host's CPUs).
+  Must run before anything touches a JAX backend."""
+  allowed = sorted(os.sched_getaffinity(0))
+  if len(allowed) < 2:
+    raise SystemExit("error: --split-cores needs two CPUs or more; this process may use "
+                     f"{allowed}")
+  devices_cpus, host_cpus = {allowed[0]}, set(allowed[1:])
+  os.sched_setaffinity(0, devices_cpus)  # threads inherit their creator's CPUs
+  for device in jax.devices():  # the client and each device's threads start here
+    jax.block_until_ready(jax.device_put(np.zeros(8, np.float32), device) + 1)
+  os.sched_setaffinity(0, host_cpus)
+  return devices_cpus, host_cpus
+
+
+def thread_cpus() -> dict[str, int]:
+  """How many of this process's threads may run on which CPUs (Linux), by CPU list."""
+  counts: dict[str, int] = {}
+  for tid in os.listdir("/proc/self/task"):
+    try:
+      with open(f"/proc/self/task/{tid}/status") as status:
+        cpus = next(line.split()[1] for line in status if line.startswith("Cpus_allowed_list"))
+    except FileNotFoundError:  # the thread ended meanwhile
+      continue
+    counts[cpus] = counts.get(cpus, 0) + 1
+  return counts
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
@@ -295,10 +335,13 @@ def main() -> None:
                       help="layup.pin_host_threads values to run, one row each (adjacent)")
   parser.add_argument("--chain-forwards", nargs="+", default=["off"], choices=["on", "off"],
                       help="layup.chain_forwards values to run, one row each (adjacent)")
+  parser.add_argument("--split-cores", action="store_true",
+                      help="XLA's threads on the first CPU, the dispatching on the others")
   allocator_choice.add_option(parser)
   parser.add_argument("--out", default="bench_host.json")
   args = parser.parse_args()
   host_allocator = allocator_choice.use(args.allocator)
+  split = split_cores() if args.split_cores else None
 
   rows = []
   fused = {}
@@ -311,11 +354,17 @@ def main() -> None:
                   fuse == "on", thread == "on", granularity, pin, chain == "on")
       row["fused_step_ms"] = fused[case]
       row["host_allocator"] = host_allocator
+      row["split_cores"] = split is not None
+      if split is not None:
+        row["thread_cpus"] = thread_cpus()
       rows.append(row)
       print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
 
   fmt = lambda v, spec: "-" if v is None else format(v, spec)
   print(f"\nhost allocator: {host_allocator}")
+  if split is not None:
+    print(f"split cores: XLA's threads on CPUs {sorted(split[0])}, the dispatching on "
+          f"{sorted(split[1])}; threads by CPUs allowed at the end: {thread_cpus()}")
   print(f"{'case':<16}{'algorithm':<11}{'stages':>7}{'fused':>6}{'upd.th':>7}{'pin':>4}"
         f"{'chain':>6}"
         f"{'host ms/it':>11}{'serial':>8}{'threads':>8}"
@@ -337,7 +386,10 @@ def main() -> None:
   result = {"benchmark": "bench_host", "machine": platform.machine(),
             "cores": os.cpu_count(), "jax": jax.__version__, "python": platform.python_version(),
             "device": jax.devices()[0].device_kind, "code_version": provenance.code_version(),
-            "measured": time.strftime("%Y-%m-%d"), "table": rows}
+            "measured": time.strftime("%Y-%m-%d"),
+            "split_cores": None if split is None else {"devices": sorted(split[0]),
+                                                       "host": sorted(split[1])},
+            "table": rows}
   with open(args.out, "w") as f:
     json.dump(result, f, indent=2)
   print(f"wrote {args.out}")
