@@ -21,7 +21,8 @@ consensus distance.
 A variant is "NAME KEY=VALUE ..." (config overrides), run beside the plain algorithm; `--set`
 overrides every run's config; `--num-steps 0` / `--eval-every 0` keep the config's. With a
 target, each run records its time to it (training time, evaluation excluded). `--repeats` is
-3 unless given. The drill starts `$PYTHON` (default: the interpreter running this script).
+3 unless given. `--cpus-per-host C` gives each host's process C CPUs of its own (the drill's
+option; by default every process may run on every CPU). The drill starts `$PYTHON` (default: the interpreter running this script).
 Ctrl-C stops the run under way and removes its namespaces before this script stops.
 """
 
@@ -62,6 +63,7 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
   stats = os.path.join(workdir, "links.json")
   command = ["bash", "scripts/cluster_drill.sh", "--hosts", str(hosts), "--devices-per-host",
              str(per_host), "--stats", stats, *(["--rate", rate] if rate != "unshaped" else []),
+             *(["--cpus-per-host", str(args.cpus_per_host)] if args.cpus_per_host else []),
              # `config.py:algorithm` takes the algorithm's column of the config's table (its
              # searched lr and warm-up); `--config.algorithm=` would keep the default column's.
              "--", "--config", f"{args.config}:{algorithm}", "--workdir", workdir,
@@ -114,6 +116,8 @@ def main() -> None:
                       help="a config override for every run")
   parser.add_argument("--seeds", type=int, nargs="+", default=[0])
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--cpus-per-host", type=int, default=0,
+                      help="each host's process on CPUs of its own (cluster_drill.sh; 0: shared)")
   parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "bench_cluster_cc"))
   parser.add_argument("--out", default="bench_cluster.json")
   args = parser.parse_args()

@@ -107,5 +107,24 @@ grep -q "link layup_h1 exists" "$work/err" && check "refused: a veth end exists"
   || { echo "FAIL refused: a veth end exists: $(cat "$work/err")"; failures=$((failures + 1)); }
 ip link show layup_br > /dev/null 2>&1 && { echo "FAIL refused drill left its bridge"; failures=$((failures + 1)); }
 bash scripts/cluster_drill.sh --hosts 1 --devices-per-host 1 -- x 2> /dev/null; check "refused: one host" 2 $?
+bash scripts/cluster_drill.sh --hosts 2 --devices-per-host 1 --cpus-per-host 100000 -- x 2> "$work/err"
+status=$?
+grep -q "needs 200000 CPUs" "$work/err" && check "refused: more CPUs than there are" 2 $status \
+  || { echo "FAIL refused: more CPUs than there are: $(cat "$work/err")"; failures=$((failures + 1)); }
+# --cpus-per-host: each host's process may run on CPUs of its own, none shared.
+if [ "$(nproc)" -ge 2 ]; then
+  printf '#!/bin/bash\ngrep Cpus_allowed_list /proc/self/status | cut -f2 > "$LAYUP_CPUS.${@: -1}"\n' \
+      > "$work/cpus"
+  chmod +x "$work/cpus"
+  PYTHON="$work/cpus" LAYUP_CPUS="$work/cpus_of" bash scripts/cluster_drill.sh --hosts 2 \
+      --devices-per-host 1 --cpus-per-host 1 -- x > /dev/null 2>&1; status=$?
+  first=$(cat "$work/cpus_of.--config.distributed.process_id=0" 2> /dev/null)
+  second=$(cat "$work/cpus_of.--config.distributed.process_id=1" 2> /dev/null)
+  if [[ "$first" =~ ^[0-9]+$ && "$second" =~ ^[0-9]+$ && "$first" != "$second" ]]; then
+    check "a CPU of its own per host ($first and $second)" 0 $status
+  else
+    echo "FAIL a CPU of its own per host: '$first' and '$second'"; failures=$((failures + 1))
+  fi
+fi
 [ "$failures" = 0 ] && echo "cluster_drill.sh: every check passed" || echo "cluster_drill.sh: $failures failed"
 exit $((failures > 0))

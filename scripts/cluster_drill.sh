@@ -9,6 +9,10 @@
 #   sudo bash scripts/cluster_drill.sh --hosts 2 --devices-per-host 4 --rate 20mbit -- \
 #       --config configs/digits.py --workdir runs/cluster --config.algorithm=layup
 #
+# With --cpus-per-host C, host k's process may run only on the k-th C of the CPUs this script may
+# use (taskset), as a host's own cores would be, so that no two hosts share a core; without it
+# every process may run on any of them.
+#
 # Process 0's output is shown, the others' prefixed [pK]. At the end one line per host gives the
 # bytes it sent and received over its link (the interface's counters: everything, collectives,
 # gossip and the coordination service); --stats FILE writes them as JSON. Everything it creates
@@ -17,13 +21,14 @@
 # Exits with the first failing process's status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: cluster_drill.sh --hosts N --devices-per-host D [--rate RATE] [--stats FILE] -- <train arguments>"
-HOSTS="" PER_HOST="" RATE="" STATS=""
+usage="usage: cluster_drill.sh --hosts N --devices-per-host D [--rate RATE] [--cpus-per-host C] [--stats FILE] -- <train arguments>"
+HOSTS="" PER_HOST="" RATE="" STATS="" CPUS_PER_HOST=""
 while [ $# -gt 0 ]; do
   case $1 in
     --hosts) HOSTS=$2; shift 2 ;;
     --devices-per-host) PER_HOST=$2; shift 2 ;;
     --rate) RATE=$2; shift 2 ;;
+    --cpus-per-host) CPUS_PER_HOST=$2; shift 2 ;;
     --stats) STATS=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "error: unknown option $1; $usage" >&2; exit 2 ;;
@@ -36,6 +41,18 @@ done
 [[ -z "$RATE" || "$RATE" =~ ^[0-9.]+(bit|kbit|mbit|gbit)$ ]] \
   || { echo "error: --rate takes a tc rate such as 20mbit or 1gbit, not $RATE" >&2; exit 2; }
 [ $# -gt 0 ] || { echo "error: give the train arguments after --; $usage" >&2; exit 2; }
+CPUS=()  # host k's CPU list for taskset, with --cpus-per-host
+if [ -n "$CPUS_PER_HOST" ]; then
+  [[ "$CPUS_PER_HOST" =~ ^[0-9]+$ && "$CPUS_PER_HOST" -ge 1 ]] \
+    || { echo "error: --cpus-per-host takes a positive number; $usage" >&2; exit 2; }
+  command -v taskset > /dev/null || { echo "error: --cpus-per-host needs taskset (apt-get install util-linux)" >&2; exit 2; }
+  mapfile -t allowed < <(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)), sep="\n")')
+  [ $((HOSTS * CPUS_PER_HOST)) -le ${#allowed[@]} ] || {
+    echo "error: --hosts $HOSTS x --cpus-per-host $CPUS_PER_HOST needs $((HOSTS * CPUS_PER_HOST)) CPUs; this script may use ${#allowed[@]}" >&2; exit 2; }
+  for ((k = 0; k < HOSTS; k++)); do
+    CPUS+=("$(IFS=,; echo "${allowed[*]:$((k * CPUS_PER_HOST)):$CPUS_PER_HOST}")")
+  done
+fi
 [ "$(id -u)" = 0 ] || { echo "error: run as root: the drill creates network namespaces" >&2; exit 2; }
 command -v ip > /dev/null || { echo "error: needs iproute2 (apt-get install iproute2)" >&2; exit 2; }
 if [ -n "$RATE" ]; then
@@ -120,7 +137,8 @@ STATUSES=$(mktemp -d)
 pids=()
 for ((k = 0; k < HOSTS; k++)); do
   prefix=""; [ "$k" -gt 0 ] && prefix="[p$k] "
-  { ip netns exec "${NS[$k]}" env XLA_FLAGS="$FLAGS --xla_force_host_platform_device_count=$PER_HOST" \
+  pin=(); [ -n "$CPUS_PER_HOST" ] && pin=(taskset -c "${CPUS[$k]}")
+  { ip netns exec "${NS[$k]}" "${pin[@]}" env XLA_FLAGS="$FLAGS --xla_force_host_platform_device_count=$PER_HOST" \
       PYTHONUNBUFFERED=1 "${PYTHON:-python}" -m layup_jax.train "$@" \
       "--config.distributed.coordinator_address=${ADDR[0]}:$PORT" \
       "--config.distributed.num_processes=$HOSTS" "--config.distributed.process_id=$k" 2>&1 \
@@ -144,7 +162,7 @@ for ((k = 0; k < HOSTS; k++)); do
 done
 if [ -n "$STATS" ]; then
   joined=$(IFS=,; echo "${entries[*]}")
-  printf '{"hosts": %d, "devices_per_host": %d, "rate": "%s", "wall_s": %s, "status": %d, "links": [%s]}\n' \
-      "$HOSTS" "$PER_HOST" "${RATE:-unshaped}" "$elapsed" "$status" "$joined" > "$STATS"
+  printf '{"hosts": %d, "devices_per_host": %d, "rate": "%s", "cpus_per_host": %s, "wall_s": %s, "status": %d, "links": [%s]}\n' \
+      "$HOSTS" "$PER_HOST" "${RATE:-unshaped}" "${CPUS_PER_HOST:-null}" "$elapsed" "$status" "$joined" > "$STATS"
 fi
 exit $status

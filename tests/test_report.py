@@ -270,11 +270,14 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
 
   bench.run_drill = drill
   args = argparse.Namespace(config="configs/digits.py", num_steps=10, eval_every=0,
-                            set=["distributed.compression=int8"], cache=str(tmp_path / "cc"))
+                            set=["distributed.compression=int8"], cache=str(tmp_path / "cc"),
+                            cpus_per_host=1)
   row = bench.run("2x4", "20mbit", "layup", ["distributed.remote_peer_probability=0.5"], 3,
                   args, str(tmp_path))
   command = commands[-1]
   assert command[command.index("--rate") + 1] == "20mbit"
+  assert command[command.index("--cpus-per-host") + 1] == "1"  # before the train arguments
+  assert command.index("--cpus-per-host") < command.index("--")
   assert "configs/digits.py:layup" in command and "--config.seed=3" in command
   assert command[-2:] == ["--config.distributed.compression=int8",
                           "--config.distributed.remote_peer_probability=0.5"]
@@ -283,6 +286,7 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
   assert row["link_bytes_per_iteration"] == 100.0  # 8,000 bytes over 10 steps x 8 devices
   assert (row["send_latency_ms"], row["counted_bytes_per_iteration"]) == (20.0, 1000.0)
   bench.run_drill = lambda command: drill(command, status=1)
+  args.cpus_per_host = 0  # every process on every CPU: the drill's default
   row = bench.run("2x4", "unshaped", "ddp", [], 0, args, str(tmp_path))
-  assert "--rate" not in commands[-1]
+  assert "--rate" not in commands[-1] and "--cpus-per-host" not in commands[-1]
   assert row["failed"] == "status 1: boom"
