@@ -77,7 +77,10 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
   if result.returncode:  # recorded and reported; the other runs go on
     print(f"{layout} {rate} {algorithm} failed (status {result.returncode}):\n"
           f"{result.stdout[-3000:]}{result.stderr[-2000:]}", file=sys.stderr, flush=True)
-    tail = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
+    lines = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()
+    # A process's one-line error, where one said it (the drill's last lines are link counters).
+    said = [line for line in result.stdout.splitlines() + lines if "error:" in line]
+    tail = said[-1] if said else lines[-1]
     return {"layout": layout, "rate": rate, "algorithm": algorithm, "seed": seed,
             "failed": f"status {result.returncode}: {tail}"}
   with open(os.path.join(workdir, "summary.json")) as f:

@@ -290,3 +290,8 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
   row = bench.run("2x4", "unshaped", "ddp", [], 0, args, str(tmp_path))
   assert "--rate" not in commands[-1] and "--cpus-per-host" not in commands[-1]
   assert row["failed"] == "status 1: boom"
+  # A process that said what went wrong is named, not the drill's last line (its link counters).
+  bench.run_drill = lambda command: subprocess.CompletedProcess(
+      command, 2, "[p1] error: data not found\nhost 1 sent 3 kB, received 4 kB over its link\n", "")
+  row = bench.run("2x4", "unshaped", "ddp", [], 0, args, str(tmp_path))
+  assert row["failed"] == "status 2: [p1] error: data not found"
