@@ -22,7 +22,8 @@ A variant is "NAME KEY=VALUE ..." (config overrides), run beside the plain algor
 overrides every run's config; `--num-steps 0` / `--eval-every 0` keep the config's. With a
 target, each run records its time to it (training time, evaluation excluded). `--repeats` is
 3 unless given. `--cpus-per-host C` gives each host's process C CPUs of its own (the drill's
-option; by default every process may run on every CPU). The drill starts `$PYTHON` (default: the interpreter running this script).
+option; by default every process may run on every CPU). The drill starts `$PYTHON` (default:
+the interpreter running this script).
 Ctrl-C stops the run under way and removes its namespaces before this script stops.
 """
 
@@ -77,10 +78,11 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
   if result.returncode:  # recorded and reported; the other runs go on
     print(f"{layout} {rate} {algorithm} failed (status {result.returncode}):\n"
           f"{result.stdout[-3000:]}{result.stderr[-2000:]}", file=sys.stderr, flush=True)
-    lines = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()
     # A process's one-line error, where one said it (the drill's last lines are link counters).
-    said = [line for line in result.stdout.splitlines() + lines if "error:" in line]
-    tail = said[-1] if said else lines[-1]
+    said = [line for line in (result.stdout + "\n" + result.stderr).splitlines()
+            if "error:" in line]
+    tail = said[-1] if said else (result.stderr.strip() or result.stdout.strip()
+                                  or "no output").splitlines()[-1]
     return {"layout": layout, "rate": rate, "algorithm": algorithm, "seed": seed,
             "failed": f"status {result.returncode}: {tail}"}
   with open(os.path.join(workdir, "summary.json")) as f:

@@ -38,10 +38,10 @@ pipeline's budget (`scripts/bench_input.py`), not this one. Latency sampling is 
 threads (the fake devices' work) are started on the first of the process's CPUs and the rest of
 the process, the runtime's dispatcher and updater threads and the serial block's thread among
 them, runs on the others, so no device work shares a core with the dispatching. On a 2-core
-machine that is one core each; the devices' work then runs on one core, which bounds `host
-ms/it` from below only where the devices are slower than the host (the `threads` column, the
-dispatching's own CPU time, is the figure). Where each thread ran is counted at the end
-(`thread_cpus` in the JSON: how many of the process's threads could run on which CPUs), so a
+machine that is one core each, and the devices' work on its one core is then slower than the
+host's: `host ms/it` is the host's figure only while the devices keep up (the `threads` column,
+the dispatching's own CPU time, is the figure either way). Where the threads may run is counted
+after each row (`thread_cpus` in the JSON: how many of the process's threads on which CPUs), so a
 thread XLA started later on the dispatching side would show.
 
 `--stages-per-group` runs the model with consecutive stages grouped (`model.stages_per_group`):
@@ -302,15 +302,25 @@ def split_cores() -> tuple[set[int], set[int]]:
   return devices_cpus, host_cpus
 
 
-def thread_cpus() -> dict[str, int]:
-  """How many of this process's threads may run on which CPUs (Linux), by CPU list."""
-  counts: dict[str, int] = {}
+def thread_affinities() -> dict[str, tuple[str, str]]:
+  """This process's threads (Linux): thread id -> (its name, the CPU list it may run on)."""
+  threads = {}
   for tid in os.listdir("/proc/self/task"):
     try:
-      with open(f"/proc/self/task/{tid}/status") as status:
+      with open(f"/proc/self/task/{tid}/comm") as comm, \
+           open(f"/proc/self/task/{tid}/status") as status:
+        name = comm.read().strip()
         cpus = next(line.split()[1] for line in status if line.startswith("Cpus_allowed_list"))
     except FileNotFoundError:  # the thread ended meanwhile
       continue
+    threads[tid] = (name, cpus)
+  return threads
+
+
+def thread_cpus() -> dict[str, int]:
+  """How many of this process's threads may run on which CPUs, by CPU list."""
+  counts: dict[str, int] = {}
+  for _, cpus in thread_affinities().values():
     counts[cpus] = counts.get(cpus, 0) + 1
   return counts
 

@@ -24,14 +24,8 @@ def runtime_like():
   seen["started"] = sorted(os.sched_getaffinity(0))
 thread = threading.Thread(target=runtime_like)
 thread.start(); thread.join()
-names = {}
-for tid in os.listdir("/proc/self/task"):
-  with open(f"/proc/self/task/{tid}/comm") as comm:
-    name = comm.read().strip()
-  names.setdefault(name, set()).add(tid)
-xla = sorted({cpus for name, tids in names.items() if "XLA" in name or "Eigen" in name
-              for tid in tids for cpus in [open(f"/proc/self/task/{tid}/status").read()
-                                           .split("Cpus_allowed_list:")[1].split()[0]]})
+xla = sorted({cpus for name, cpus in bench_host.thread_affinities().values()
+              if "XLA" in name or "Eigen" in name})
 print(json.dumps({"devices": sorted(devices_cpus), "host": sorted(host_cpus),
                   "main": sorted(os.sched_getaffinity(0)), "started": seen["started"],
                   "xla": xla}))
