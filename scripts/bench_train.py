@@ -13,6 +13,14 @@ same round, so both sides see the same moments of a shared machine.
   python scripts/bench_train.py --config configs/fashion_mnist.py --algorithms layup ddp \
       --set num_steps=234 --repeats 3 --out bench_train_fashion.json
   python scripts/bench_train.py --algorithms layup ddp --variant "chain layup.chain_forwards=True"
+  python scripts/bench_train.py --config configs/digits.py --algorithms layup ddp --split-cores
+
+`--split-cores` runs each command with the fake devices' work on the first of its CPUs and
+everything else (the runtime's dispatcher and updater threads, DDP's dispatching thread, the
+input pipeline) on the others, as `bench_host.py --split-cores` does: the nearest this machine
+comes to a node whose devices are not its CPUs. It tells what the host's work costs a run when
+it does not take the devices' cores; it is not the shared machine's figure, which the default
+gives. Each command starts under the allocator `auto` picks, as the plain command does.
 
 A variant is "NAME KEY=VALUE ..." (config overrides), run as `<algorithm>:NAME` beside the plain
 algorithm for every algorithm but DDP, in the same rounds; `--set` overrides every run's config.
@@ -32,16 +40,41 @@ sys.path.insert(0, ROOT)
 
 from layup_jax import provenance
 
+# `python -c SPLIT_CORES <module or script.py> <its arguments>`: the module run as `python -m`
+# runs it, after the process has started again under the allocator (as the command itself would)
+# and split its cores (bench_host.split_cores) before anything of JAX's backend exists.
+SPLIT_CORES = """
+import runpy, sys
+from layup_jax import allocator
+allocator.use("auto")
+sys.path.insert(0, "scripts")
+import bench_host
+bench_host.split_cores()
+target, sys.argv = sys.argv[1], sys.argv[1:]
+if target.endswith(".py"):
+  runpy.run_path(target, run_name="__main__")
+else:
+  runpy.run_module(target, run_name="__main__", alter_sys=True)
+"""
+
+
+def command_for(module_args: list[str], split_cores: bool = False) -> list[str]:
+  """The interpreter's command that runs `module_args` (a module and its arguments) as
+  `python -m` does, its cores split when `split_cores`."""
+  if split_cores:
+    return [sys.executable, "-c", SPLIT_CORES, *module_args]
+  return [sys.executable, "-m", *module_args]
+
 
 def run_once(config: str, algorithm: str, overrides: list[str], workdir: str,
-             label: str | None = None) -> dict:
-  command = [sys.executable, "-m", "layup_jax.train", "--config", f"{config}:{algorithm}",
-             "--workdir", workdir, "--config.progress_bar=False",
-             *[f"--config.{o}" for o in overrides]]
+             label: str | None = None, split_cores: bool = False) -> dict:
+  module_args = ["layup_jax.train", "--config", f"{config}:{algorithm}", "--workdir", workdir,
+                 "--config.progress_bar=False", *[f"--config.{o}" for o in overrides]]
+  command = command_for(module_args, split_cores)
   started = time.perf_counter()
   done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
   if done.returncode != 0:
-    raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    raise SystemExit(f"python -m {' '.join(module_args)} failed:\n{done.stderr[-3000:]}")
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   return {"algorithm": label or algorithm, "wall_time_s": summary["wall_time_s"],
@@ -61,6 +94,8 @@ def main() -> None:
   parser.add_argument("--variant", action="append", default=[],
                       help='"NAME KEY=VALUE ...": config overrides, run beside the algorithms')
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--split-cores", action="store_true",
+                      help="the devices' work on the first CPU, the rest of each run on the others")
   parser.add_argument("--out", default="bench_train.json")
   args = parser.parse_args()
 
@@ -73,7 +108,8 @@ def main() -> None:
     for repeat in range(args.repeats):
       for label, algorithm, overrides in cases:
         row = run_once(args.config, algorithm, args.set + overrides,
-                       os.path.join(scratch, f"{label.replace(':', '-')}-{repeat}"), label)
+                       os.path.join(scratch, f"{label.replace(':', '-')}-{repeat}"), label,
+                       args.split_cores)
         runs.append({"repeat": repeat, **row})
         print(json.dumps(runs[-1]), flush=True)
 
@@ -95,7 +131,8 @@ def main() -> None:
         f"time_vs_{first}": statistics.median(time_ratio),
         "wall_time_all": [r["wall_time_s"] for r in mine],
     })
-  print(f"\n{args.config} {' '.join(args.set)}, {args.repeats} alternated rounds (medians)")
+  print(f"\n{args.config} {' '.join(args.set)}, {args.repeats} alternated rounds (medians)"
+        f"{', cores split' if args.split_cores else ''}")
   print(f"{'algorithm':<14} {'train s':>8} {'samples/s':>10} {'accuracy':>9} "
         f"{'time / ' + first:>12} {'threads s':>9}  all train s")
   for row in table:
@@ -105,7 +142,7 @@ def main() -> None:
           f"{', '.join(f'{t:.2f}' for t in row['wall_time_all'])}")
   result = {"benchmark": "bench_train", "config": args.config, "overrides": args.set,
             "variants": args.variant,
-            "repeats": args.repeats, "cores": os.cpu_count(),
+            "repeats": args.repeats, "cores": os.cpu_count(), "split_cores": args.split_cores,
             "code_version": provenance.code_version(),
             "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "table": table, "runs": runs}
