@@ -40,9 +40,9 @@ sys.path.insert(0, ROOT)
 
 from layup_jax import provenance
 
-# `python -c SPLIT_CORES <module or script.py> <its arguments>`: the module run as `python -m`
-# runs it, after the process has started again under the allocator (as the command itself would)
-# and split its cores (bench_host.split_cores) before anything of JAX's backend exists.
+# `python -c SPLIT_CORES <module> <its arguments>`: the module run as `python -m` runs it, after
+# the process has started again under the allocator (as the command itself would) and split its
+# cores (bench_host.split_cores) before anything of JAX's backend exists.
 SPLIT_CORES = """
 import runpy, sys
 from layup_jax import allocator
@@ -50,11 +50,8 @@ allocator.use("auto")
 sys.path.insert(0, "scripts")
 import bench_host
 bench_host.split_cores()
-target, sys.argv = sys.argv[1], sys.argv[1:]
-if target.endswith(".py"):
-  runpy.run_path(target, run_name="__main__")
-else:
-  runpy.run_module(target, run_name="__main__", alter_sys=True)
+module, sys.argv = sys.argv[1], sys.argv[1:]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
 
 

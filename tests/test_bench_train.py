@@ -37,10 +37,10 @@ print(json.dumps({"argv": sys.argv[1:], "main": sorted(os.sched_getaffinity(0)),
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs CPU affinity and two CPUs")
 def test_a_split_run_dispatches_off_the_devices_cpu_under_the_commands_allocator(tmp_path):
-  probe = tmp_path / "probe.py"
-  probe.write_text(_PROBE)
+  (tmp_path / "split_probe.py").write_text(_PROBE)  # a module, as layup_jax.train is
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LD_PRELOAD")}
-  command = bench_train.command_for([str(probe), "--workdir", "w", "--config.seed=3"],
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+  command = bench_train.command_for(["split_probe", "--workdir", "w", "--config.seed=3"],
                                     split_cores=True)
   result = subprocess.run(command, cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"}, timeout=300,
                           capture_output=True, text=True, check=False)
