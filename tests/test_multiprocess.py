@@ -478,7 +478,7 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
   last 70 % to build, compile and rejoin in (alone, 2026-12-02: it rejoined ~420 steps, ~30 s,
   after its start). (The launcher's own `--restart`:
   `test_the_launcher_starts_a_killed_process_again_while_process_0_runs`.)"""
-  steps, kill_at, restart_at = 2500, 0.2, 0.3
+  steps, kill_at, restart_at = 1800, 0.2, 0.3
   settings = {"algorithm": "layup", "num_steps": steps, "eval_every": 60,
               "checkpoint.every": 250, "progress_bar": False,
               "distributed.heartbeat_timeout_s": 5}
