@@ -473,10 +473,10 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
 
   The first three processes run at a lower CPU priority (`nice -n 10`): the restarted one
   stands for a process on a host of its own, and on 2 shared cores at equal priority it took
-  74 s to compile beside the two that train (26 s niced), longer than the last 40 % of a run
-  this test can afford. Killed and started again early, the restarted process has the run's
-  last 70 % to build, compile and rejoin in (alone, 2026-12-02: it rejoined ~420 steps, ~30 s,
-  after its start). (The launcher's own `--restart`:
+  74 s to compile beside the two that train (26 s niced), longer than the rest of a run this
+  test can afford. Killed and started again early, the restarted process has the run's last
+  70 % to build, compile and rejoin in (alone, 2026-12-02: it rejoined 420 steps after its
+  start, with 1,260 left). (The launcher's own `--restart`:
   `test_the_launcher_starts_a_killed_process_again_while_process_0_runs`.)"""
   steps, kill_at, restart_at = 1800, 0.2, 0.3
   settings = {"algorithm": "layup", "num_steps": steps, "eval_every": 60,
