@@ -12,9 +12,13 @@ never an AttributeError from deep inside a run.
   `crossprocess.py`): jax has no public handle to either.
 - The transfer server between processes (`crossprocess.py`): `jax.experimental.transfer`.
 - Orbax's barrier between processes (`checkpointing.py`): a flag of Orbax's.
+- The persistent compilation cache's writes from a process other than 0 on CPU devices
+  (`compile_cache.py`): jax's compiler writes from process 0 only.
 """
 
+import threading
 import types
+import warnings
 
 import jax
 
@@ -65,3 +69,53 @@ def use_orbax_coordination_barrier() -> None:
   from absl import flags
 
   flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+
+
+_OWN_DEVICES = threading.local()  # whether the program compiling on this thread is this process's
+
+
+def write_compilation_cache_from_every_process() -> None:
+  """Lets a process other than 0 write the programs of its own CPU devices to the persistent
+  compilation cache, so that its next run (or a restarted process) reads them.
+
+  jax writes entries from process 0 only, so that processes do not contend for one entry
+  (`jax/_src/compiler.py`, `_cache_write`); its keys hold a program's devices on CPU
+  (`cache_key.py` strips them on GPU only), so a process other than 0 never finds its
+  programs there and compiles each of them afresh in every run. A program on this process's
+  devices alone has a key no other process computes, so the process writes it itself; a
+  program across processes (DDP's all-reduce), a program with host callbacks, a program on a
+  GPU and everything in process 0 keep jax's own path. Idempotent.
+  """
+  from jax._src import compilation_cache, compiler
+
+  if getattr(compiler._cache_write, "every_process", False):
+    return
+  jax_compile, jax_write = compiler.compile_or_get_cached, compiler._cache_write
+
+  def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
+    own = getattr(_OWN_DEVICES, "value", False)
+    _OWN_DEVICES.value = all(device.process_index == backend.process_index()
+                             for device in devices.flat)
+    try:
+      return jax_compile(backend, computation, devices, *args, **kwargs)
+    finally:
+      _OWN_DEVICES.value = own
+
+  def cache_write(cache_key, compile_time_secs, module_name, backend, executable,
+                  *host_callbacks):
+    if (_distributed_state().process_id == 0 or backend.platform != "cpu"
+        or not getattr(_OWN_DEVICES, "value", False) or any(host_callbacks)):
+      return jax_write(cache_key, compile_time_secs, module_name, backend, executable,
+                       *host_callbacks)
+    if compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs:
+      return None
+    try:
+      compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                int(compile_time_secs))
+    except Exception as error:  # as jax's own write: a failed write only warns
+      warnings.warn(f"Error writing persistent compilation cache entry for '{module_name}': "
+                    f"{type(error).__name__}: {error}")
+    return None
+
+  cache_write.every_process, cache_write.jax_write = True, jax_write
+  compiler.compile_or_get_cached, compiler._cache_write = compile_or_get_cached, cache_write

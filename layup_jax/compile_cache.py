@@ -5,25 +5,29 @@ minutes for the paper's); jax can keep the compiled programs on disk and reuse t
 same program is compiled again, in this process or the next. `config.compilation_cache_dir`
 names the folder ("" turns it off). Where jax already has a cache folder (the environment
 variable `JAX_COMPILATION_CACHE_DIR`, or a script that set one), that one is kept: the tests
-and the sweeps share theirs.
+and the sweeps share theirs. In a run across processes on CPU devices every process writes its
+own programs (jax writes from process 0 only, and on CPU its keys hold the devices: a process
+other than 0 would compile every program afresh in every run; `compat.py`).
 """
 
 import os
 
 import jax
 
+from layup_jax import compat
+
 
 def enable(path: str) -> str | None:
   """Turns the cache on at `path` (`~` expanded) unless jax already has one or `path` is "";
   returns the folder in use, or None. Every program is cached, however quick its compilation:
   a run is hundreds of small ones."""
-  current = jax.config.jax_compilation_cache_dir
-  if current:
-    return current
-  if not path:
-    return None
-  folder = os.path.expanduser(path)
-  os.makedirs(folder, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", folder)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  folder = jax.config.jax_compilation_cache_dir
+  if not folder:
+    if not path:
+      return None
+    folder = os.path.expanduser(path)
+    os.makedirs(folder, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  compat.write_compilation_cache_from_every_process()
   return folder

@@ -30,11 +30,12 @@ def main() -> None:
                              num_processes=int(processes), process_id=int(process_id))
   import optax
 
-  from layup_jax import traffic
+  from layup_jax import compile_cache, traffic
   from layup_jax.algorithms.gossip import ADPSGD, GoSGD
   from layup_jax.algorithms.layup import LayUp
   from tests.helpers import make_layup_runtime
 
+  compile_cache.enable("")  # the tests' folder (conftest.py), written by every process
   exchange = {"layup": LayUp, "gosgd": GoSGD, "adpsgd": ADPSGD}[algorithm]
   runtime = make_layup_runtime(4, learning_rate=0.0, exchange=exchange, **options)
   arrays, meta = runtime.checkpoint.state_dict()

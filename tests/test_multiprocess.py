@@ -187,8 +187,7 @@ def test_layup_across_two_processes_stops_on_a_kill_and_one_process_reads_its_ch
   transfer server: process 1 is killed after the checkpoint at step 80, of which each process
   wrote its own devices' replicas; the launcher stops the run in one line. One process with 4
   devices reads every process's part of it: its evaluation of step 80 is the two processes'.
-  (2 x 2, not 2 x 4: each device compiles every stage's programs, and a process other than 0
-  never finds its programs in the compilation cache on CPU devices; docs/elastic.md.)
+  (2 x 2, not 2 x 4: each device compiles every stage's programs; docs/elastic.md.)
   (Training on across processes after a loss, to >= 0.95 with the weights summing to 1, and a
   rerun resuming LayUp's final checkpoint across processes: the 3 x 2 kill test below; a rerun
   of a stopped run taking exactly its remaining steps: the DDP test above. A LayUp run across
@@ -280,8 +279,8 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
     ("layup", ["remote_peer_probability=0.9", "compression='int8'"])])
 def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm, options):
   """Learning rate 0, every replica its own parameters, 2 processes x 2 devices with their
-  threads (2 x 2, not 2 x 4: each device compiles every stage's programs, and process 1's are
-  never in the compilation cache on CPU devices; docs/elastic.md): gossip (a good share of it
+  threads (2 x 2, not 2 x 4: each device compiles every stage's programs; docs/elastic.md):
+  gossip (a good share of it
   between the processes; AD-PSGD's pairwise averages too) moves the replicas toward their
   average and must not move the average itself
   (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.send_halved`).
@@ -472,13 +471,13 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
   process writes none).
 
   The first three processes run at a lower CPU priority (`nice -n 10`): the restarted one
-  stands for a process on a host of its own, and on 2 shared cores at equal priority it took
-  74 s to compile beside the two that train (26 s niced), longer than the rest of a run this
-  test can afford. Killed and started again early, the restarted process has the run's last
-  70 % to build, compile and rejoin in (alone, 2026-12-02: it rejoined 420 steps after its
-  start, with 1,260 left). (The launcher's own `--restart`:
+  stands for a process on a host of its own. It reads its programs from the compilation cache
+  its first run wrote (`compat.write_compilation_cache_from_every_process`); killed and started
+  again early, it has the run's last 70 % to build and rejoin in (alone, 2026-12-02, an empty
+  cache at the start: it rejoined 120 steps after its start, with 580 left; docs/elastic.md).
+  (The launcher's own `--restart`:
   `test_the_launcher_starts_a_killed_process_again_while_process_0_runs`.)"""
-  steps, kill_at, restart_at = 1800, 0.2, 0.3
+  steps, kill_at, restart_at = 1000, 0.2, 0.3
   settings = {"algorithm": "layup", "num_steps": steps, "eval_every": 60,
               "checkpoint.every": 250, "progress_bar": False,
               "distributed.heartbeat_timeout_s": 5}
