@@ -1,4 +1,5 @@
-"""A run turns on jax's persistent compilation cache, unless one is already set or it is off."""
+"""A run turns on jax's persistent compilation cache, unless one is already set or it is off,
+and every process writes its own CPU devices' programs to it."""
 
 import jax
 import numpy as np

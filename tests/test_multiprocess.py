@@ -280,9 +280,8 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
 def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm, options):
   """Learning rate 0, every replica its own parameters, 2 processes x 2 devices with their
   threads (2 x 2, not 2 x 4: each device compiles every stage's programs; docs/elastic.md):
-  gossip (a good share of it
-  between the processes; AD-PSGD's pairwise averages too) moves the replicas toward their
-  average and must not move the average itself
+  gossip (a good share of it between the processes; AD-PSGD's pairwise averages too) moves
+  the replicas toward their average and must not move the average itself
   (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.send_halved`).
   LayUp's first case sends exactly (`compression='none'`), its others with the default int8
   sends between processes (AD-PSGD's pairwise averages are not compressed: its run, at the
