@@ -12,8 +12,9 @@ never an AttributeError from deep inside a run.
   `crossprocess.py`): jax has no public handle to either.
 - The transfer server between processes (`crossprocess.py`): `jax.experimental.transfer`.
 - Orbax's barrier between processes (`checkpointing.py`): a flag of Orbax's.
-- The persistent compilation cache's writes from a process other than 0 on CPU devices
-  (`compile_cache.py`): jax's compiler writes from process 0 only.
+- The persistent compilation cache's key for a program on one device (`compile_cache.py`):
+  jax strips the device from it on GPU only; and its writes from a process other than 0 on CPU
+  devices: jax's compiler writes from process 0 only.
 """
 
 import threading
@@ -119,3 +120,34 @@ def write_compilation_cache_from_every_process() -> None:
 
   cache_write.every_process, cache_write.jax_write = True, jax_write
   compiler.compile_or_get_cached, compiler._cache_write = compile_or_get_cached, cache_write
+
+
+def key_single_device_programs_without_their_device() -> None:
+  """Keys a program on one device by everything but which device, so that a stage's program
+  compiled for device 0 is read, not compiled again, for every other device and process.
+
+  A run compiles each per-stage program once per device. jax keys the persistent compilation
+  cache by the compile options, the device assignment among them, and strips the assignment
+  on GPU only (`cache_key.py`), so on CPU devices each device's copy is its own entry, compiled
+  afresh. A 1 x 1 assignment says nothing else about the program: the executable read from the
+  cache is loaded for the device being compiled for (`deserialize_executable` takes the
+  caller's compile options), as on GPU. Programs on several devices keep their keys (which
+  devices a collective spans is part of it). The key still differs between processes (jax
+  hashes the process's devices as the accelerator config), so a process never reads a program
+  compiled on another host, whose CPU may differ: each process writes its own
+  (`write_compilation_cache_from_every_process`). Idempotent.
+  """
+  from jax._src import cache_key
+
+  if getattr(cache_key._hash_serialized_compile_options, "strips_one_device", False):
+    return
+  jax_hash = cache_key._hash_serialized_compile_options
+
+  def hash_compile_options(hash_obj, compile_options_obj, strip_device_assignment=False):
+    assignment = compile_options_obj.device_assignment
+    if assignment is not None and assignment.replica_count() * assignment.computation_count() == 1:
+      strip_device_assignment = True
+    return jax_hash(hash_obj, compile_options_obj, strip_device_assignment)
+
+  hash_compile_options.strips_one_device, hash_compile_options.jax_hash = True, jax_hash
+  cache_key._hash_serialized_compile_options = hash_compile_options

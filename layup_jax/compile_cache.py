@@ -5,9 +5,12 @@ minutes for the paper's); jax can keep the compiled programs on disk and reuse t
 same program is compiled again, in this process or the next. `config.compilation_cache_dir`
 names the folder ("" turns it off). Where jax already has a cache folder (the environment
 variable `JAX_COMPILATION_CACHE_DIR`, or a script that set one), that one is kept: the tests
-and the sweeps share theirs. In a run across processes on CPU devices every process writes its
-own programs (jax writes from process 0 only, and on CPU its keys hold the devices: a process
-other than 0 would compile every program afresh in every run; `compat.py`).
+and the sweeps share theirs. With the cache on, a program on one device is keyed without
+which device, as jax keys it on GPU: compiled for device 0, a stage's program is read for the
+process's other devices (on CPU jax's key holds the device, and each device compiled its own
+copy). In a run across processes on CPU devices every process writes its own programs (jax
+writes from process 0 only, and on CPU its keys hold the process's devices: a process other
+than 0 would compile every program afresh in every run). Both in `compat.py`.
 """
 
 import os
@@ -29,5 +32,6 @@ def enable(path: str) -> str | None:
     os.makedirs(folder, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  compat.key_single_device_programs_without_their_device()
   compat.write_compilation_cache_from_every_process()
   return folder

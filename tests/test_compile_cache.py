@@ -1,10 +1,11 @@
-"""A run turns on jax's persistent compilation cache, unless one is already set or it is off,
-and every process writes its own CPU devices' programs to it."""
+"""A run turns on jax's persistent compilation cache, unless one is already set or it is off;
+a program on one device is compiled once for all of them, and every process writes its own CPU
+devices' programs to it."""
 
 import jax
 import numpy as np
 import pytest
-from jax._src import compilation_cache, compiler
+from jax._src import cache_key, compilation_cache, compiler
 from jax._src import distributed as jax_distributed
 
 from layup_jax import compat, compile_cache
@@ -87,3 +88,52 @@ def test_the_writer_is_installed_once():
   installed = compiler._cache_write
   compat.write_compilation_cache_from_every_process()
   assert compiler._cache_write is installed and installed.every_process
+
+
+def _entries(folder) -> set:
+  return {path.name for path in folder.iterdir()}
+
+
+def test_a_program_on_one_device_is_compiled_once_and_read_for_every_other_device(
+    cache_folder, monkeypatch):
+  """Each stage's program runs on every device: compiled for device 0, it is read from the
+  cache for devices 1-3, loaded for the device asked for, and computes the same result there;
+  with jax's own key (the device in it, on CPU) each device compiles and writes its own."""
+  compile_cache.enable("")
+  program = jax.jit(lambda x: jax.numpy.tanh(x) * 1.03125)
+  x = np.linspace(-2.0, 2.0, 7, dtype=np.float32)
+  results = []
+  for device in jax.devices()[:4]:
+    compiled = program.lower(jax.device_put(x, device)).compile()
+    assert compiled.runtime_executable().local_devices() == [device]
+    out = compiled(jax.device_put(x, device))
+    assert out.addressable_shards[0].data.devices() == {device}
+    results.append(np.asarray(out))
+  assert len(_entries(cache_folder)) == 1
+  for result in results[1:]:
+    np.testing.assert_array_equal(result, results[0])
+
+  monkeypatch.setattr(cache_key, "_hash_serialized_compile_options",
+                      cache_key._hash_serialized_compile_options.jax_hash)
+  for device in jax.devices()[:4]:
+    jax.jit(lambda x: jax.numpy.tanh(x) * 1.046875).lower(jax.device_put(x, device)).compile()
+  assert len(_entries(cache_folder)) == 1 + 4
+
+
+def test_programs_on_several_devices_keep_their_devices_in_the_key(cache_folder):
+  """Which devices a collective spans is part of the program: the same sum over two pairs of
+  devices is two entries."""
+  compile_cache.enable("")
+  for pair in (jax.devices()[0:2], jax.devices()[2:4]):
+    mesh = jax.sharding.Mesh(np.array(pair), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    x = jax.device_put(np.arange(4, dtype=np.float32), sharding)
+    assert float(jax.jit(lambda x: (x * 1.0625).sum())(x)) == pytest.approx(6 * 1.0625)
+  assert len(_entries(cache_folder)) == 2
+
+
+def test_the_key_is_installed_once():
+  compat.key_single_device_programs_without_their_device()
+  installed = cache_key._hash_serialized_compile_options
+  compat.key_single_device_programs_without_their_device()
+  assert cache_key._hash_serialized_compile_options is installed and installed.strips_one_device
