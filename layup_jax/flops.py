@@ -47,12 +47,14 @@ def staged_calls(model: stages.StagedModel, steps: stages.StageSteps, update: Ca
   (stage forwards, loss, backwards, tie functions, per-stage updates `update(params,
   opt_state, grads, step)`) with its arguments.
 
-  Runs the staged pass once on the given arrays to get each function's arguments.
+  Traces the staged pass once on the given arrays to get each function's arguments: each
+  function's output is its shape (`jax.eval_shape`), so nothing is compiled or run here (a first
+  run would otherwise compile every stage function a second time, without its remat).
   """
   def visited(fn):
     def call(*args):
       visit(fn, *args)
-      return fn(*args)
+      return jax.eval_shape(fn, *args)
     return call
 
   visited_steps = stages.StageSteps(
