@@ -77,7 +77,7 @@ def replica_calls(model: stages.StagedModel, store: Any, example: Any,
   inputs, targets = jax.device_put((example.inputs, example.targets), replica.device)
   return (model, steps or store.steps, store.update, replica.params, list(replica.state),
           replica.opt_state, type(example)(inputs, targets),
-          jax.device_put(jax.random.key(0), replica.device),
+          jax.random.key(0),  # uncommitted, as the store's keys are made: no new program
           jax.device_put(np.int32(0), replica.device))
 
 

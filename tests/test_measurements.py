@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax._src import compilation_cache
 
 from layup_jax import flops, measurements, models, runner, stages
 from layup_jax.algorithms import ddp
@@ -74,6 +75,34 @@ def test_layup_and_ddp_count_the_same_flops_for_one_device_iteration(tiny_config
   on_eight, on_one = ddp_count(8), ddp_count(1)
   assert on_eight == on_one
   assert layup.flops_per_iteration() == pytest.approx(on_eight, rel=0.05)
+
+
+def test_counting_an_iterations_flops_compiles_nothing():
+  """The count traces the staged pass for its functions' arguments (shapes only): a first run
+  does not compile every stage function a second time to count its FLOPs. The persistent
+  cache is off here, so a compilation cannot hide behind a cache hit."""
+  runtime = make_layup_runtime(4)
+  compiles = []
+
+  def on_duration(name, *_, **__):
+    if "backend_compile" in name:
+      compiles.append(name)
+
+  keep = jax.config.jax_enable_compilation_cache
+  compilation_cache.reset_cache()
+  jax.config.update("jax_enable_compilation_cache", False)
+  jax.monitoring.register_event_duration_secs_listener(on_duration)
+  try:
+    assert runtime.flops_per_iteration() > 0
+    assert compiles == []
+    # The listener does see compilations: a function never seen before compiles once.
+    jax.jit(lambda x: x * 3.0 - 1.0)(jax.device_put(np.ones(5, np.float32), jax.devices()[0]))
+    assert compiles
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_duration)
+    jax.config.update("jax_enable_compilation_cache", keep)
+    compilation_cache.reset_cache()
+    runtime.close()
 
 
 def test_a_run_reports_throughput_per_device_mfu_and_time_to_target(tiny_config, tmp_path,
