@@ -124,7 +124,7 @@ def write_compilation_cache_from_every_process() -> None:
 
 def key_single_device_programs_without_their_device() -> None:
   """Keys a program on one device by everything but which device, so that a stage's program
-  compiled for device 0 is read, not compiled again, for every other device and process.
+  compiled for device 0 is read, not compiled again, for the process's other devices.
 
   A run compiles each per-stage program once per device. jax keys the persistent compilation
   cache by the compile options, the device assignment among them, and strips the assignment
