@@ -359,21 +359,25 @@ class ProcessLostError(RuntimeError):
     self.process = process
 
 
-def _read_gather(client, prefix: str) -> list[bytes]:
+def _read_gather(client, prefix: str, mine: bytes) -> list[bytes]:
   """The values gather `prefix` holds, in process order: every process's, or in an elastic run
   those of the processes process 0 names (every live process that wrote its value; one lost
-  before writing it is left out), so that every survivor reads the same set."""
+  before writing it is left out), so that every survivor reads the same set. This process's
+  own is `mine`, not read back: on another host than the store's, it would cross the link
+  again (an evaluation's model)."""
+  me = jax.process_index()
+  read = lambda k: mine if k == me else await_value(client, f"{prefix}/{k}", k)
   if not members.elastic:
-    return [await_value(client, f"{prefix}/{k}", k) for k in range(jax.process_count())]
-  if jax.process_index() != 0:
+    return [read(k) for k in range(jax.process_count())]
+  if me != 0:
     names = json.loads(await_value(client, f"{prefix}/members", 0).decode())
-    return [await_value(client, f"{prefix}/{k}", k) for k in names]
+    return [read(k) for k in names]
   values: dict[int, bytes] = {}
   for k in range(jax.process_count()):
     if members.is_lost(k):
       continue
     with contextlib.suppress(ProcessLostError):  # lost before writing it: left out
-      values[k] = await_value(client, f"{prefix}/{k}", k)
+      values[k] = read(k)
   client.key_value_set(f"{prefix}/members", json.dumps(sorted(values)))
   return [values[k] for k in sorted(values)]
 
@@ -386,8 +390,9 @@ def all_gather_json(value) -> list:
     return [value]
   client = compat.coordination_client()
   prefix = gather_order.prefix()
-  client.key_value_set_bytes(f"{prefix}/{jax.process_index()}", json.dumps(value).encode())
-  return [json.loads(part) for part in _read_gather(client, prefix)]
+  mine = json.dumps(value).encode()
+  client.key_value_set_bytes(f"{prefix}/{jax.process_index()}", mine)
+  return [json.loads(part) for part in _read_gather(client, prefix, mine)]
 
 
 def all_gather_pickled(value) -> list:
@@ -397,9 +402,9 @@ def all_gather_pickled(value) -> list:
     return [value]
   client = compat.coordination_client()
   prefix = gather_order.prefix()
-  mine = f"{prefix}/{jax.process_index()}"
-  client.key_value_set_bytes(mine, pickle.dumps(value))
-  parts = [pickle.loads(part) for part in _read_gather(client, prefix)]
+  mine, pickled = f"{prefix}/{jax.process_index()}", pickle.dumps(value)
+  client.key_value_set_bytes(mine, pickled)
+  parts = [pickle.loads(part) for part in _read_gather(client, prefix, pickled)]
   # Our key of two gathers ago has been read by all: each process wrote its key of the last
   # gather only after reading every key of the one before, and we have read those.
   _pickled_keys.append(mine)
