@@ -4,7 +4,7 @@ notices and acknowledgements through the coordination service's key-value store.
 A send to a device of another process (an outbox's send, layup_jax/transport.py) offers the
 computed stage to this process's transfer server under a fresh uuid (`await_pull`) and then
 queues a notice `(uuid, peer, stage, push-sum amount)` for `layup_jax/gossip/<to>/<from>/<b>/<n>`,
-n counting the notices from this process to that one (b = its batch of 64). A notice writer per
+n counting the notices from this process to that one (b = its batch of 16). A notice writer per
 other process (a thread of its own) writes them in order and reads that process's
 acknowledgements while any is outstanding: each is a round trip to the coordination service,
 which on the updater's thread took half of its time at remote peers 1 in 2
@@ -47,7 +47,10 @@ _NOTICE_WAIT_MS = 200  # a receiver looks at the stop flag this often while no n
 # (within `_IDLE_MS`), and deletes its notices a batch directory at a time.
 _ACK_EVERY = 16
 _IDLE_MS = 2
-_BATCH = 64
+# Notices per batch directory: the receiver reads the rest of the current batch in one call
+# after each notice it waited for, so a smaller batch is fewer bytes per read (64: 5.4 MB a
+# digits run from the store's host, 16: 3.6 MB; docs/multihost.md), at one delete per batch.
+_BATCH = 16
 _ACK_POLL_S = 0.002  # how often a notice writer reads the acknowledgements while any is due
 _PULL_POLL_S = 0.001  # how often an elastic run's pull looks whether its source was lost
 
