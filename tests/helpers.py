@@ -1,8 +1,28 @@
-"""Small models and builders shared by the tests."""
+"""Small models, builders and probes shared by the tests."""
+
+import contextlib
 
 import flax.linen as nn
+import jax
 
 from layup_jax.stages import StagedModel
+
+
+@contextlib.contextmanager
+def backend_compilations():
+  """The XLA compilations made while the block runs (jax's monitoring events, by name); a
+  program read from the persistent compilation cache makes none."""
+  compiles = []
+
+  def on_duration(name, *_, **__):
+    if "backend_compile" in name:
+      compiles.append(name)
+
+  jax.monitoring.register_event_duration_secs_listener(on_duration)
+  try:
+    yield compiles
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
 class DenseBN(nn.Module):

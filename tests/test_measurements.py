@@ -14,7 +14,7 @@ from layup_jax.algorithms import ddp
 from layup_jax.data.pipeline import Batch
 from layup_jax.metrics import read_metrics
 from layup_jax.replicas import local_update
-from tests.helpers import make_layup_runtime, plain_mlp
+from tests.helpers import backend_compilations, make_layup_runtime, plain_mlp
 
 RECORDS = [
     {"split": "test", "step": 0, "time_s": 0.0, "accuracy": 0.1, "perplexity": 90.0},
@@ -82,24 +82,17 @@ def test_counting_an_iterations_flops_compiles_nothing():
   does not compile every stage function a second time to count its FLOPs. The persistent
   cache is off here, so a compilation cannot hide behind a cache hit."""
   runtime = make_layup_runtime(4)
-  compiles = []
-
-  def on_duration(name, *_, **__):
-    if "backend_compile" in name:
-      compiles.append(name)
-
   keep = jax.config.jax_enable_compilation_cache
   compilation_cache.reset_cache()
   jax.config.update("jax_enable_compilation_cache", False)
-  jax.monitoring.register_event_duration_secs_listener(on_duration)
   try:
-    assert runtime.flops_per_iteration() > 0
-    assert compiles == []
-    # The listener does see compilations: a function never seen before compiles once.
-    jax.jit(lambda x: x * 3.0 - 1.0)(jax.device_put(np.ones(5, np.float32), jax.devices()[0]))
-    assert compiles
+    with backend_compilations() as compiles:
+      assert runtime.flops_per_iteration() > 0
+      assert compiles == []
+      # The listener does see compilations: a function never seen before compiles once.
+      jax.jit(lambda x: x * 3.0 - 1.0)(jax.device_put(np.ones(5, np.float32), jax.devices()[0]))
+      assert compiles
   finally:
-    jax.monitoring.unregister_event_duration_listener(on_duration)
     jax.config.update("jax_enable_compilation_cache", keep)
     compilation_cache.reset_cache()
     runtime.close()

@@ -24,7 +24,7 @@ from layup_jax.evaluation import Evaluator
 from layup_jax.options import RuntimeOptions
 from layup_jax.replicas import ReplicaStore, local_update
 from layup_jax.runtime import WorkerError
-from tests.helpers import make_layup_runtime, mlp_model
+from tests.helpers import backend_compilations, make_layup_runtime, mlp_model
 
 EXCHANGES = {"layup": None, "gosgd": GoSGD, "adpsgd": ADPSGD}
 
@@ -461,27 +461,18 @@ def test_no_compilation_happens_inside_the_training_loop(algorithm):
   # LayUp's local steps are fused into the backward; AD-PSGD's are not (separate updates).
   from layup_jax.algorithms.gossip import ADPSGD
 
-  compiles = []
-
-  def on_duration(name, *_, **__):
-    if "backend_compile" in name:
-      compiles.append(name)
-
   runtime = {"layup": lambda: make_layup_runtime(4),
              "layup-chained": lambda: make_layup_runtime(4, chain_forwards=True),
              "adpsgd": lambda: make_layup_runtime(4, exchange=ADPSGD),
              "ddp": lambda: _ddp_runtime(4)}[algorithm]()
   runtime.compile()
-  jax.monitoring.register_event_duration_secs_listener(on_duration)
-  try:
+  with backend_compilations() as compiles:
     runtime.run_until(4 * 10, lambda _: None)
     runtime.close()
     assert compiles == []
     # The listener does see compilations: a function never seen before compiles once.
     jax.jit(lambda x: x * 2.0 + 1.0)(jax.device_put(jnp.ones(7), jax.devices()[0]))
     assert compiles
-  finally:
-    jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
 def _layup_threads_alive() -> list[str]:
