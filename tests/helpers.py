@@ -10,8 +10,10 @@ from layup_jax.stages import StagedModel
 
 @contextlib.contextmanager
 def backend_compilations():
-  """The XLA compilations made while the block runs (jax's monitoring events, by name); a
-  program read from the persistent compilation cache makes none."""
+  """The XLA compilations made while the block runs (jax's monitoring events, by name). A
+  program read from the persistent compilation cache counts too: jax times its compile-or-read
+  step as one event (`tests/test_compile_cache.py` holds jax to it), so a compilation the block
+  should not make cannot hide behind a cache hit."""
   compiles = []
 
   def on_duration(name, *_, **__):

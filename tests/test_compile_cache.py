@@ -9,6 +9,7 @@ from jax._src import cache_key, compilation_cache, compiler
 from jax._src import distributed as jax_distributed
 
 from layup_jax import compat, compile_cache
+from tests.helpers import backend_compilations
 
 
 def _with_cache_dir(value, body):
@@ -137,3 +138,26 @@ def test_the_key_is_installed_once():
   installed = cache_key._hash_serialized_compile_options
   compat.key_single_device_programs_without_their_device()
   assert cache_key._hash_serialized_compile_options is installed and installed.strips_one_device
+
+
+def test_a_program_read_from_the_cache_counts_as_a_compilation(cache_folder):
+  """The tests that no compilation happens in a training loop count jax's compile events
+  (`tests/helpers.backend_compilations`); a program read from the persistent cache must count
+  too, or a compilation there could hide behind a cache hit."""
+  compile_cache.enable("")
+  hits = []
+
+  def on_event(name, **_):
+    if name.endswith("cache_hits"):
+      hits.append(name)
+
+  jax.monitoring.register_event_listener(on_event)
+  try:
+    _compile_on(jax.devices()[0], 1.109375)
+    assert _entries(cache_folder) and not hits
+    jax.clear_caches()  # the in-memory caches: the next call reads the persistent one
+    with backend_compilations() as compiles:
+      _compile_on(jax.devices()[0], 1.109375)
+  finally:
+    jax.monitoring.unregister_event_listener(on_event)
+  assert hits and compiles
