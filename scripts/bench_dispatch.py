@@ -11,6 +11,12 @@ its inputs computed and nothing else running: the same program, the same argumen
 
   in_run_us   median over the run of the thread CPU per call, in microseconds
   alone_us    the same call alone (its inputs ready): the dispatch cost by itself
+  rotated_us  the same call alone, every recorded kind of call made in turn as a run makes them
+              (each program once per turn, inputs ready): the code and data of many programs
+              in the caches instead of one
+  l2_cold_us  the same call alone, after a write over twice the (per-core) L2 cache before
+              each call (not counted): its code and data evicted from L1 and L2, not from L3
+  cold_us     the same, over twice the last-level cache: every cache cold
   cheap       calls per device-iteration under 1,000 flops (XLA's cost analysis): XLA's CPU
               client runs such a program on the calling thread when its inputs are ready
               (`cheap_computation_` in xla/pjrt/cpu), so part of their cost is the device's work
@@ -31,6 +37,7 @@ because the devices' work shares the dispatching thread's cores.
 import argparse
 import collections
 import functools
+import glob
 import json
 import os
 import platform
@@ -45,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import allocator_choice
 import bench_host
 import jax
+import numpy as np
 import optax
 
 from layup_jax import algorithms, provenance
@@ -108,6 +116,51 @@ def alone_us(fn, args, kwargs, calls: int) -> float | None:
   return 1e6 * seconds / calls
 
 
+def cache_bytes() -> dict[int, int]:
+  """The first CPU's cache sizes by level (Linux's sysfs; the largest of a level's caches)."""
+  sizes = {}
+  for folder in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+    with open(os.path.join(folder, "level")) as f, open(os.path.join(folder, "size")) as g:
+      level, text = int(f.read()), g.read().strip()
+    size = int(text.rstrip("KM")) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+    sizes[level] = max(size, sizes.get(level, 0))
+  return sizes or {2: 1 << 20, 3: 32 << 20}
+
+
+def rotated_us(calls: dict, rounds: int) -> dict:
+  """Thread CPU per call of each kind, every kind called once per round in turn."""
+  seconds = collections.defaultdict(float)
+  try:
+    jax.block_until_ready([fn(*a, **k) for fn, a, k in calls.values()])
+    for _ in range(rounds):
+      outs = []
+      for name, (fn, a, k) in calls.items():
+        start = time.thread_time()
+        outs.append(fn(*a, **k))
+        seconds[name] += time.thread_time() - start
+      jax.block_until_ready(outs)
+  except Exception:  # noqa: BLE001 - a call that cannot be made again: no figures
+    return {}
+  return {name: 1e6 * total / rounds for name, total in seconds.items()}
+
+
+def cold_us(fn, args, kwargs, calls: int, sweep_bytes: int) -> float | None:
+  """Thread CPU per call of `fn(*args)`, `sweep_bytes` written over before each call."""
+  sweep = np.ones(sweep_bytes // 8)
+  total = 0.0
+  try:
+    jax.block_until_ready(fn(*args, **kwargs))
+    for _ in range(calls):
+      sweep += 1.0  # every cache line written: the call finds its code and data evicted
+      start = time.thread_time()
+      out = fn(*args, **kwargs)
+      total += time.thread_time() - start
+      jax.block_until_ready(out)
+  except Exception:  # noqa: BLE001
+    return None
+  return 1e6 * total / calls
+
+
 def run_once(case: str, updater_thread: bool, iterations: int, alone_calls: int) -> dict:
   model, kind = bench_host.shrunk_model(case)
   devices = jax.devices()[:8]
@@ -127,6 +180,8 @@ def run_once(case: str, updater_thread: bool, iterations: int, alone_calls: int)
     f = flops(*clock.examples[signature])
     if f is not None and f < CHEAP_FLOPS:
       cheap[signature[0]] += count
+  caches = cache_bytes()
+  rotated = rotated_us({name: clock.first_call(name) for name in clock.seconds}, alone_calls)
   rows = {}
   for name, seconds in clock.seconds.items():
     rows[name] = {
@@ -134,6 +189,11 @@ def run_once(case: str, updater_thread: bool, iterations: int, alone_calls: int)
         "cheap_per_iteration": cheap[name] / iterations,
         "in_run_us": 1e6 * statistics.median(seconds),
         "alone_us": alone_us(*clock.first_call(name), alone_calls),
+        "rotated_us": rotated.get(name),
+        "l2_cold_us": cold_us(*clock.first_call(name), max(alone_calls // 10, 10),
+                              2 * caches[min(2, max(caches))]),
+        "cold_us": cold_us(*clock.first_call(name), max(alone_calls // 10, 10),
+                           2 * caches[max(caches)]),
     }
   return rows
 
@@ -169,7 +229,8 @@ def main() -> None:
           if any(g[key] is not None for g in got) else None)
       row = {"updater_thread": thread == "on", "program": name,
              **{key: median(key) for key in ("calls_per_iteration", "cheap_per_iteration",
-                                             "in_run_us", "alone_us")},
+                                             "in_run_us", "alone_us", "rotated_us",
+                                             "l2_cold_us", "cold_us")},
              "in_run_us_all": [g["in_run_us"] for g in got]}
       row["run_over_alone"] = (row["in_run_us"] / row["alone_us"] if row["alone_us"] else None)
       table.append(row)
@@ -180,17 +241,19 @@ def main() -> None:
         + ("" if split is None else f", XLA's threads on CPUs {sorted(split[0])}, the "
                                      f"dispatching on {sorted(split[1])}"))
   print(f"{'upd.th':<7}{'program':<22}{'calls/it':>9}{'cheap/it':>9}{'in run us':>10}"
-        f"{'alone us':>9}{'run/alone':>10}")
+        f"{'alone us':>9}{'rotated':>8}{'L2 cold':>8}{'cold us':>8}{'run/alone':>10}")
   for row in table:
     print(f"{'on' if row['updater_thread'] else 'off':<7}{row['program']:<22}"
           f"{row['calls_per_iteration']:>9.2f}{row['cheap_per_iteration']:>9.2f}"
           f"{row['in_run_us']:>10.1f}{fmt(row['alone_us'], '.1f'):>9}"
+          f"{fmt(row['rotated_us'], '.1f'):>8}{fmt(row['l2_cold_us'], '.1f'):>8}"
+          f"{fmt(row['cold_us'], '.1f'):>8}"
           f"{fmt(row['run_over_alone'], '.2f'):>10}")
   result = {"benchmark": "bench_dispatch", "case": args.case, "iterations": args.iterations,
             "repeats": args.repeats, "machine": platform.machine(), "cores": os.cpu_count(),
             "jax": jax.__version__, "python": platform.python_version(),
             "code_version": provenance.code_version(), "measured": time.strftime("%Y-%m-%d %H:%M"),
-            "host_allocator": host_allocator,
+            "host_allocator": host_allocator, "cache_bytes": cache_bytes(),
             "split_cores": None if split is None else {"devices": sorted(split[0]),
                                                        "host": sorted(split[1]),
                                                        "thread_cpus": bench_host.thread_cpus()},
