@@ -10,6 +10,9 @@ stopped, the first recorded call of each kind is made again `--alone` times from
 its inputs computed and nothing else running: the same program, the same arguments.
 
   in_run_us   median over the run of the thread CPU per call, in microseconds
+  ready       the share of the run's calls whose input arrays were all computed when it was
+              made (read just before the call, outside the time recorded); `in_run_ready_us`
+              and `in_run_waiting_us` in the JSON are the medians of either kind
   alone_us    the same call alone (its inputs ready): the dispatch cost by itself
   rotated_us  the same call alone, every recorded kind of call made in turn as a run makes them
               (each program once per turn, inputs ready): the code and data of many programs
@@ -67,6 +70,7 @@ class CallClock(bench_host.Counter):
   def __init__(self):
     super().__init__()
     self.seconds = collections.defaultdict(list)  # name -> thread CPU seconds per call
+    self.ready = collections.defaultdict(list)  # name -> whether each call's inputs were computed
     self.signatures = collections.Counter()  # (name, argument shapes) -> calls
     self.examples = {}  # (name, argument shapes) -> (function, args, kwargs)
 
@@ -81,9 +85,12 @@ class CallClock(bench_host.Counter):
 
     @functools.wraps(fn)
     def timed(*args, **kwargs):
+      ready = all(leaf.is_ready() for leaf in jax.tree.leaves((args, kwargs))
+                  if hasattr(leaf, "is_ready"))  # (random keys have none: left out)
       start = time.thread_time()
       out = fn(*args, **kwargs)
       self.seconds[name].append(time.thread_time() - start)
+      self.ready[name].append(ready)
       signature = (name, tuple((getattr(a, "shape", None), str(getattr(a, "dtype", "")))
                                for a in jax.tree.leaves(args)))
       self.signatures[signature] += 1
@@ -161,6 +168,11 @@ def cold_us(fn, args, kwargs, calls: int, sweep_bytes: int) -> float | None:
   return 1e6 * total / calls
 
 
+def _median_us(seconds: list, ready: list, which: bool) -> float | None:
+  picked = [t for t, r in zip(seconds, ready) if r == which]
+  return 1e6 * statistics.median(picked) if picked else None
+
+
 def run_once(case: str, updater_thread: bool, iterations: int, alone_calls: int) -> dict:
   model, kind = bench_host.shrunk_model(case)
   devices = jax.devices()[:8]
@@ -188,6 +200,9 @@ def run_once(case: str, updater_thread: bool, iterations: int, alone_calls: int)
         "calls_per_iteration": len(seconds) / iterations,
         "cheap_per_iteration": cheap[name] / iterations,
         "in_run_us": 1e6 * statistics.median(seconds),
+        "inputs_ready_share": sum(clock.ready[name]) / len(seconds),
+        "in_run_ready_us": _median_us(seconds, clock.ready[name], True),
+        "in_run_waiting_us": _median_us(seconds, clock.ready[name], False),
         "alone_us": alone_us(*clock.first_call(name), alone_calls),
         "rotated_us": rotated.get(name),
         "l2_cold_us": cold_us(*clock.first_call(name), max(alone_calls // 10, 10),
@@ -229,7 +244,8 @@ def main() -> None:
           if any(g[key] is not None for g in got) else None)
       row = {"updater_thread": thread == "on", "program": name,
              **{key: median(key) for key in ("calls_per_iteration", "cheap_per_iteration",
-                                             "in_run_us", "alone_us", "rotated_us",
+                                             "in_run_us", "inputs_ready_share", "in_run_ready_us",
+                                             "in_run_waiting_us", "alone_us", "rotated_us",
                                              "l2_cold_us", "cold_us")},
              "in_run_us_all": [g["in_run_us"] for g in got]}
       row["run_over_alone"] = (row["in_run_us"] / row["alone_us"] if row["alone_us"] else None)
@@ -241,11 +257,12 @@ def main() -> None:
         + ("" if split is None else f", XLA's threads on CPUs {sorted(split[0])}, the "
                                      f"dispatching on {sorted(split[1])}"))
   print(f"{'upd.th':<7}{'program':<22}{'calls/it':>9}{'cheap/it':>9}{'in run us':>10}"
-        f"{'alone us':>9}{'rotated':>8}{'L2 cold':>8}{'cold us':>8}{'run/alone':>10}")
+        f"{'ready':>6}{'alone us':>9}{'rotated':>8}{'L2 cold':>8}{'cold us':>8}{'run/alone':>10}")
   for row in table:
     print(f"{'on' if row['updater_thread'] else 'off':<7}{row['program']:<22}"
           f"{row['calls_per_iteration']:>9.2f}{row['cheap_per_iteration']:>9.2f}"
-          f"{row['in_run_us']:>10.1f}{fmt(row['alone_us'], '.1f'):>9}"
+          f"{row['in_run_us']:>10.1f}{row['inputs_ready_share']:>6.2f}"
+          f"{fmt(row['alone_us'], '.1f'):>9}"
           f"{fmt(row['rotated_us'], '.1f'):>8}{fmt(row['l2_cold_us'], '.1f'):>8}"
           f"{fmt(row['cold_us'], '.1f'):>8}"
           f"{fmt(row['run_over_alone'], '.2f'):>10}")
