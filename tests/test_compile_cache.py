@@ -155,9 +155,8 @@ def test_a_program_read_from_the_cache_counts_as_a_compilation(cache_folder):
   try:
     _compile_on(jax.devices()[0], 1.109375)
     assert _entries(cache_folder) and not hits
-    jax.clear_caches()  # the in-memory caches: the next call reads the persistent one
-    with backend_compilations() as compiles:
-      _compile_on(jax.devices()[0], 1.109375)
+    with backend_compilations() as compiles:  # a new function of the same program: read from
+      _compile_on(jax.devices()[0], 1.109375)  # the persistent cache, not the in-memory ones
   finally:
     jax.monitoring.unregister_event_listener(on_event)
   assert hits and compiles
