@@ -10,8 +10,9 @@ stopped, the first recorded call of each kind is made again `--alone` times from
 its inputs computed and nothing else running: the same program, the same arguments.
 
   in_run_us   median over the run of the thread CPU per call, in microseconds
-  ready       the share of the run's calls whose input arrays were all computed when it was
-              made (read just before the call, outside the time recorded); `in_run_ready_us`
+  ready       with `--inputs-ready`: the share of the run's calls whose input arrays were all
+              computed when it was made (read just before the call, outside the time recorded,
+              but touching the inputs the call then reads, so off by default); `in_run_ready_us`
               and `in_run_waiting_us` in the JSON are the medians of either kind
   alone_us    the same call alone (its inputs ready): the dispatch cost by itself
   rotated_us  the same call alone, every recorded kind of call made in turn as a run makes them
@@ -67,8 +68,9 @@ CHEAP_FLOPS = 1000  # XLA's CPU client: below this a program runs on the calling
 class CallClock(bench_host.Counter):
   """Wraps the runtime's jitted functions, recording the calling thread's CPU time per call."""
 
-  def __init__(self):
+  def __init__(self, read_ready: bool = False):
     super().__init__()
+    self.read_ready = read_ready
     self.seconds = collections.defaultdict(list)  # name -> thread CPU seconds per call
     self.ready = collections.defaultdict(list)  # name -> whether each call's inputs were computed
     self.signatures = collections.Counter()  # (name, argument shapes) -> calls
@@ -85,12 +87,12 @@ class CallClock(bench_host.Counter):
 
     @functools.wraps(fn)
     def timed(*args, **kwargs):
-      ready = all(leaf.is_ready() for leaf in jax.tree.leaves((args, kwargs))
-                  if hasattr(leaf, "is_ready"))  # (random keys have none: left out)
+      if self.read_ready:  # (random keys have no `is_ready`: left out)
+        self.ready[name].append(all(leaf.is_ready() for leaf in jax.tree.leaves(args)
+                                    if hasattr(leaf, "is_ready")))
       start = time.thread_time()
       out = fn(*args, **kwargs)
       self.seconds[name].append(time.thread_time() - start)
-      self.ready[name].append(ready)
       signature = (name, tuple((getattr(a, "shape", None), str(getattr(a, "dtype", "")))
                                for a in jax.tree.leaves(args)))
       self.signatures[signature] += 1
@@ -134,6 +136,9 @@ def cache_bytes() -> dict[int, int]:
   return sizes or {2: 1 << 20, 3: 32 << 20}
 
 
+CACHES = cache_bytes()
+
+
 def rotated_us(calls: dict, rounds: int) -> dict:
   """Thread CPU per call of each kind, every kind called once per round in turn."""
   seconds = collections.defaultdict(float)
@@ -173,7 +178,8 @@ def _median_us(seconds: list, ready: list, which: bool) -> float | None:
   return 1e6 * statistics.median(picked) if picked else None
 
 
-def run_once(case: str, updater_thread: bool, iterations: int, alone_calls: int) -> dict:
+def run_once(case: str, updater_thread: bool, iterations: int, alone_calls: int,
+             read_ready: bool) -> dict:
   model, kind = bench_host.shrunk_model(case)
   devices = jax.devices()[:8]
   streams = TrainStreams([bench_host.batches(kind, seed) for seed in range(len(devices))],
@@ -182,7 +188,7 @@ def run_once(case: str, updater_thread: bool, iterations: int, alone_calls: int)
   runtime = algorithms.build_runtime(config, model, optax.sgd(1e-3), devices, streams)
   runtime.compile()
   runtime.run_until(runtime.iterations_done() + 20 * len(devices), lambda done: None)
-  clock = CallClock()
+  clock = CallClock(read_ready)
   restore = clock.install(runtime)
   runtime.run_until(runtime.iterations_done() + iterations, lambda done: None)
   restore()
@@ -192,7 +198,6 @@ def run_once(case: str, updater_thread: bool, iterations: int, alone_calls: int)
     f = flops(*clock.examples[signature])
     if f is not None and f < CHEAP_FLOPS:
       cheap[signature[0]] += count
-  caches = cache_bytes()
   rotated = rotated_us({name: clock.first_call(name) for name in clock.seconds}, alone_calls)
   rows = {}
   for name, seconds in clock.seconds.items():
@@ -200,15 +205,15 @@ def run_once(case: str, updater_thread: bool, iterations: int, alone_calls: int)
         "calls_per_iteration": len(seconds) / iterations,
         "cheap_per_iteration": cheap[name] / iterations,
         "in_run_us": 1e6 * statistics.median(seconds),
-        "inputs_ready_share": sum(clock.ready[name]) / len(seconds),
+        "inputs_ready_share": sum(clock.ready[name]) / len(seconds) if read_ready else None,
         "in_run_ready_us": _median_us(seconds, clock.ready[name], True),
         "in_run_waiting_us": _median_us(seconds, clock.ready[name], False),
         "alone_us": alone_us(*clock.first_call(name), alone_calls),
         "rotated_us": rotated.get(name),
         "l2_cold_us": cold_us(*clock.first_call(name), max(alone_calls // 10, 10),
-                              2 * caches[min(2, max(caches))]),
+                              2 * CACHES.get(2, CACHES[max(CACHES)])),
         "cold_us": cold_us(*clock.first_call(name), max(alone_calls // 10, 10),
-                           2 * caches[max(caches)]),
+                           2 * CACHES[max(CACHES)]),
     }
   return rows
 
@@ -220,6 +225,8 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--alone", type=int, default=300, help="calls of each program alone")
   parser.add_argument("--updater-thread", nargs="+", default=["on", "off"], choices=["on", "off"])
+  parser.add_argument("--inputs-ready", action="store_true",
+                      help="record whether each call's inputs were computed (touches them first)")
   parser.add_argument("--split-cores", action="store_true",
                       help="XLA's threads on the first CPU, the dispatching on the others")
   allocator_choice.add_option(parser)
@@ -232,7 +239,8 @@ def main() -> None:
   for r in range(args.repeats):
     order = args.updater_thread if r % 2 == 0 else args.updater_thread[::-1]
     for thread in order:
-      runs[thread].append(run_once(args.case, thread == "on", args.iterations, args.alone))
+      runs[thread].append(run_once(args.case, thread == "on", args.iterations, args.alone,
+                                        args.inputs_ready))
       print(f"repeat {r + 1}, updater thread {thread}: done", flush=True)
 
   table = []
@@ -261,7 +269,7 @@ def main() -> None:
   for row in table:
     print(f"{'on' if row['updater_thread'] else 'off':<7}{row['program']:<22}"
           f"{row['calls_per_iteration']:>9.2f}{row['cheap_per_iteration']:>9.2f}"
-          f"{row['in_run_us']:>10.1f}{row['inputs_ready_share']:>6.2f}"
+          f"{row['in_run_us']:>10.1f}{fmt(row['inputs_ready_share'], '.2f'):>6}"
           f"{fmt(row['alone_us'], '.1f'):>9}"
           f"{fmt(row['rotated_us'], '.1f'):>8}{fmt(row['l2_cold_us'], '.1f'):>8}"
           f"{fmt(row['cold_us'], '.1f'):>8}"
@@ -270,7 +278,7 @@ def main() -> None:
             "repeats": args.repeats, "machine": platform.machine(), "cores": os.cpu_count(),
             "jax": jax.__version__, "python": platform.python_version(),
             "code_version": provenance.code_version(), "measured": time.strftime("%Y-%m-%d %H:%M"),
-            "host_allocator": host_allocator, "cache_bytes": cache_bytes(),
+            "host_allocator": host_allocator, "cache_bytes": CACHES,
             "split_cores": None if split is None else {"devices": sorted(split[0]),
                                                        "host": sorted(split[1]),
                                                        "thread_cpus": bench_host.thread_cpus()},
