@@ -20,8 +20,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from layup_jax import allocator
 from layup_jax.errors import RejoinError, UserError
+from layup_jax.platform import allocator
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
                                           lock_config=True)
@@ -97,16 +97,20 @@ def main(argv: list[str]) -> None:
   except ValueError as error:
     _fail(str(error))
   # Imported only now: a command started again under another allocator imports jax once.
-  from layup_jax import algorithms, checkpointing, distributed, runner
+  from layup_jax import algorithms
+  from layup_jax.checkpoint import manager
+  from layup_jax.multiprocess import membership, setup
+  from layup_jax.multiprocess.watchdog import Watchdog
+  from layup_jax.run import runner
 
   stop, watchdog = StopRequest(), None
   try:
     # A gossip run goes on when a process other than 0 is lost (docs/elastic.md).
     elastic = algorithms.get(config.algorithm).gossip if config.algorithm in algorithms.names() \
         else False
-    if distributed.initialize(config.distributed, recoverable=elastic):  # before any backend use
-      watchdog = distributed.Watchdog(config.distributed.heartbeat_timeout_s, elastic=elastic)
-      if distributed.members.rejoining and not algorithms.get(config.algorithm).rejoins:
+    if setup.initialize(config.distributed, recoverable=elastic):  # before any backend use
+      watchdog = Watchdog(config.distributed.heartbeat_timeout_s, elastic=elastic)
+      if membership.members.rejoining and not algorithms.get(config.algorithm).rejoins:
         raise RejoinError(f"{config.algorithm} has no rejoin: only push-sum gossip (layup, "
                           f"gosgd) gives a process a replica and a weight share; the others "
                           f"train on without this process")
@@ -121,7 +125,7 @@ def main(argv: list[str]) -> None:
     if watchdog is not None:
       watchdog.finish()
   if failed is not None:
-    checkpointing.leave_if_saves_stuck(failed)
+    manager.leave_if_saves_stuck(failed)
     sys.exit(failed)
   _report(summary, stop)
   if note and summary.get("primary", True):
@@ -130,7 +134,7 @@ def main(argv: list[str]) -> None:
   # inside jax's runtime: the interpreter would wait for it at exit for ever (and, were it a
   # daemon thread, end it in mid-call and abort: status -6 after a run that had ended well).
   # Everything of the run is written and waited for by now.
-  checkpointing.leave_if_saves_stuck(0)
+  manager.leave_if_saves_stuck(0)
 
 
 def _report(summary: dict, stop: StopRequest) -> None:

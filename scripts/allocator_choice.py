@@ -15,7 +15,7 @@ CHOICES = ("auto", "tcmalloc", "jemalloc", "system")  # layup_jax.allocator.CHOI
 
 def use(choice: str) -> str:
   try:
-    from layup_jax import allocator
+    from layup_jax.platform import allocator
   except ImportError:
     with open("/proc/self/maps") as maps:
       text = maps.read()

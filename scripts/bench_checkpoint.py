@@ -24,7 +24,7 @@ import allocator_choice
 import jax
 
 from configs import digits
-from layup_jax import runner
+from layup_jax.run import runner
 
 
 def main() -> None:

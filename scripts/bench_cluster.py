@@ -40,7 +40,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from layup_jax import provenance
+from layup_jax.measure import provenance
 
 
 def run_drill(command: list[str]) -> subprocess.CompletedProcess:

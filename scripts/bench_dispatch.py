@@ -59,8 +59,9 @@ import jax
 import numpy as np
 import optax
 
-from layup_jax import algorithms, provenance
+from layup_jax import algorithms
 from layup_jax.data import TrainStreams
+from layup_jax.measure import provenance
 
 CHEAP_FLOPS = 1000  # XLA's CPU client: below this a program runs on the calling thread
 

@@ -49,9 +49,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from layup_jax import provenance
 from layup_jax.launch import commands, environment, free_port
-from layup_jax.metrics import read_metrics
+from layup_jax.measure import provenance
+from layup_jax.run.records import read_metrics
 
 
 def progress(workdir: pathlib.Path, k: int) -> list[dict]:

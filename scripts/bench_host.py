@@ -75,12 +75,14 @@ import numpy as np
 import optax
 
 from configs import base
-from layup_jax import algorithms, provenance, sidebyside, stages, transfer
+from layup_jax import algorithms
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
 from layup_jax.data import TrainStreams
 from layup_jax.data.pipeline import Batch
-from layup_jax.models import gpt2, resnet
+from layup_jax.measure import provenance, sidebyside
+from layup_jax.models import gpt2, resnet, staged
+from layup_jax.runtime import transfer
 
 # The paper's A100 rates (appendix Table A5), device-iterations per second per device.
 PAPER_RATE = {"resnet18-cifar": 1e3 / 15.1, "resnet50-cifar": 1e3 / 46.5}
@@ -89,19 +91,19 @@ ALGORITHMS = ("layup", "gosgd", "adpsgd", "local_sgd")
 SERIAL = ("layup", "gosgd")  # also timed with every iteration dispatched from one thread
 
 
-def shrunk_model(case: str, granularity: str = "per_block") -> tuple[stages.StagedModel, str]:
+def shrunk_model(case: str, granularity: str = "per_block") -> tuple[staged.StagedModel, str]:
   """The case's stage structure at negligible size, and its input kind; `granularity` is
   `model.granularity` (per_layer: every convolution, or each half of a transformer block, a
   stage of its own). The default granularity is passed by omission, so that this script also
   measures an older checkout of the package (`scripts/bench_gpu.sh BEFORE`)."""
   fine = {} if granularity == "per_block" else {"granularity": granularity}
   if case == "resnet18-cifar":
-    return stages.StagedModel(resnet.resnet((2, 2, 2, 2), (2, 2, 2, 2), 10, **fine)), "image"
+    return staged.StagedModel(resnet.resnet((2, 2, 2, 2), (2, 2, 2, 2), 10, **fine)), "image"
   if case == "resnet50-cifar":
-    return stages.StagedModel(resnet.resnet((3, 4, 6, 3), (2, 2, 2, 2), 10, bottleneck=True,
+    return staged.StagedModel(resnet.resnet((3, 4, 6, 3), (2, 2, 2, 2), 10, bottleneck=True,
                                             **fine)), "image"
   if case == "digits":  # configs/digits.py's structure: widths (16, 32), one block each
-    return stages.StagedModel(resnet.small_resnet((2, 2), 1, 10, **fine)), "image"
+    return staged.StagedModel(resnet.small_resnet((2, 2), 1, 10, **fine)), "image"
   if case == "gpt2-124m":  # 12 blocks between the embedding and the tied head: 14 stages
     gpt2.SIZES["bench-124m-shape"] = gpt2.GPT2Size(num_layers=12, embed_dim=8, num_heads=2)
     return gpt2.gpt2("bench-124m-shape", vocab_size=16, max_len=4, **fine), "tokens"
@@ -232,7 +234,7 @@ def bench(case: str, algorithm: str, num_devices: int, steps: int, repeats: int,
           granularity: str = "per_block", pin: str = "off", chain: bool = False) -> dict:
   model, kind = shrunk_model(case, granularity)
   if per_group > 1:
-    model = stages.group_stages(model, per_group)
+    model = staged.group_stages(model, per_group)
   devices = jax.devices()[:num_devices]
   streams = TrainStreams([batches(kind, seed) for seed in range(num_devices)],
                          next(batches(kind, 0)))

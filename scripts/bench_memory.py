@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 import jax
 
-from layup_jax import provenance
+from layup_jax.measure import provenance
 
 CASES = {  # config values, and the steps measured after the warm-up
     "digits": ({}, 20),

@@ -31,7 +31,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from layup_jax import provenance
+from layup_jax.measure import provenance
 
 
 def run(layout: str, algorithm: str, args, workdir: str) -> dict:

@@ -25,7 +25,9 @@ import numpy as np
 import optax
 
 from configs import digits
-from layup_jax import algorithms, data, models, optim, provenance, pushsum
+from layup_jax import algorithms, data, models, optim
+from layup_jax.measure import provenance
+from layup_jax.pushsum import consensus
 
 # AD-PSGD averages pairs without push-sum weights: `layup.push_sum` does not apply to it.
 VARIANTS = [("layup", "per_stage"), ("layup", "per_model"), ("gosgd", "per_stage"),
@@ -34,7 +36,7 @@ VARIANTS = [("layup", "per_stage"), ("layup", "per_model"), ("gosgd", "per_stage
 
 def _average_and_params(runtime):
   params = [jax.device_get(list(r.params)) for r in runtime.replicas]
-  return pushsum.consensus(params, np.asarray(runtime.store.weights.values)), params
+  return consensus.consensus(params, np.asarray(runtime.store.weights.values)), params
 
 
 def run(algorithm: str, push_sum: str, num_devices: int, iterations: int, noise: float,
@@ -54,7 +56,7 @@ def run(algorithm: str, push_sum: str, num_devices: int, iterations: int, noise:
                          for p in replica["params"]]
   runtime.checkpoint.load_state_dict(arrays, meta)
   start, params = _average_and_params(runtime)
-  spread = float(pushsum.consensus_distance(params, start))
+  spread = float(consensus.consensus_distance(params, start))
   runtime.compile()
   runtime.run_until(num_devices * iterations, lambda done: None)
   runtime.close()
@@ -63,7 +65,7 @@ def run(algorithm: str, push_sum: str, num_devices: int, iterations: int, noise:
   moved = float(optax.tree.norm(optax.tree.sub(end, start)) / optax.tree.norm(start))
   return {"algorithm": algorithm, "push_sum": push_sum, "seed": seed,
           "average_moved_relative": moved,
-          "consensus_distance_ratio": float(pushsum.consensus_distance(params, end)) / spread,
+          "consensus_distance_ratio": float(consensus.consensus_distance(params, end)) / spread,
           "weight_sums": runtime.stats.weight_sums(),
           "iterations_per_device": runtime.stats.iterations_per_device()}
 

@@ -37,10 +37,11 @@ import allocator_choice
 import jax
 
 from configs import base, digits
-from layup_jax import algorithms, data, models, optim, provenance
+from layup_jax import algorithms, data, models, optim
 from layup_jax.data.pipeline import random_image_batches
-from layup_jax.evaluation import Evaluator
-from layup_jax.sidebyside import interleaved, median_ratio, serial_block, threaded_block
+from layup_jax.measure import provenance
+from layup_jax.measure.sidebyside import interleaved, median_ratio, serial_block, threaded_block
+from layup_jax.run.evaluation import Evaluator
 
 STEPS = {"digits": 10, "resnet18-cifar": 1}  # steps per timed block
 

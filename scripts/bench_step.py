@@ -55,15 +55,16 @@ import numpy as np
 import perfetto_events
 
 from configs import base
-from layup_jax import data, models, optim, provenance
+from layup_jax import data, models, optim
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
 from layup_jax.algorithms.layup import LayUp
 from layup_jax.data.pipeline import Batch, random_image_batches
-from layup_jax.flops import PEAK_FLOPS, compiled, flops_of
-from layup_jax.options import RuntimeOptions
-from layup_jax.runtime import AsyncRuntime
-from layup_jax.sidebyside import interleaved, median_ratio, serial_block, threaded_block
+from layup_jax.measure import provenance
+from layup_jax.measure.flops import PEAK_FLOPS, compiled, flops_of
+from layup_jax.measure.sidebyside import interleaved, median_ratio, serial_block, threaded_block
+from layup_jax.runtime.engine import AsyncRuntime
+from layup_jax.runtime.options import RuntimeOptions
 
 CASES = {  # "iters": iterations per timed block (short: the sides alternate often)
     "digits": {"data.batch_size": 16, "data.read_threads": 0, "iters": 10},  # as configs/digits.py

@@ -32,7 +32,8 @@ import allocator_choice
 import jax
 
 from configs import base
-from layup_jax import provenance, runner
+from layup_jax.measure import provenance
+from layup_jax.run import runner
 
 
 def main() -> None:

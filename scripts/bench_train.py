@@ -38,14 +38,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from layup_jax import provenance
+from layup_jax.measure import provenance
 
 # `python -c SPLIT_CORES <module> <its arguments>`: the module run as `python -m` runs it, after
 # the process has started again under the allocator (as the command itself would) and split its
 # cores (bench_host.split_cores) before anything of JAX's backend exists.
 SPLIT_CORES = """
 import runpy, sys
-from layup_jax import allocator
+from layup_jax.platform import allocator
 allocator.use("auto")
 sys.path.insert(0, "scripts")
 import bench_host

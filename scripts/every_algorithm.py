@@ -24,7 +24,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from layup_jax import algorithms, provenance
+from layup_jax import algorithms
+from layup_jax.measure import provenance
 
 
 def run(command: list[str], workdir: str) -> dict:

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from layup_jax import provenance, transfer
+from layup_jax.measure import provenance
+from layup_jax.runtime import transfer
 
 _busy = jax.jit(lambda x: jax.lax.fori_loop(0, 400, lambda _, y: jnp.tanh(y @ y), x))
 _tiny = jax.jit(lambda x: x + 1)
@@ -99,7 +100,7 @@ def stage_copy_us() -> tuple[float, float]:
 _COMPILE = r"""
 import os, sys, time
 import jax, jax.numpy as jnp
-from layup_jax import compile_cache
+from layup_jax.platform import compile_cache
 compile_cache.enable(sys.argv[1])
 f = jax.jit(lambda x: jax.lax.fori_loop(0, 8, lambda _, y: jnp.tanh(y @ y.T) + y, x))
 started = time.perf_counter()

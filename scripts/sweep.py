@@ -44,7 +44,10 @@ sys.path.insert(0, str(ROOT))
 import jax
 import ml_collections
 
-from layup_jax import algorithms, allocator, provenance, runner
+from layup_jax import algorithms
+from layup_jax.measure import provenance
+from layup_jax.platform import allocator
+from layup_jax.run import runner
 
 # Each method as the paper's comparisons run it, where it differs from the config: DiLoCo's
 # inner optimizer is AdamW (its paper) and it averages every `tau` steps. A value the config

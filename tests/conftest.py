@@ -18,7 +18,7 @@ import jax
 import pytest
 
 from configs import base
-from layup_jax import compat
+from layup_jax.platform import compat
 
 # As a run keys them (`compile_cache.enable`): a stage's program compiled for one device is read
 # for the others.

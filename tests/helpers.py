@@ -5,7 +5,7 @@ import contextlib
 import flax.linen as nn
 import jax
 
-from layup_jax.stages import StagedModel
+from layup_jax.models.staged import StagedModel
 
 
 @contextlib.contextmanager
@@ -64,8 +64,8 @@ def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_s
   from layup_jax.algorithms.layup import LayUp
   from layup_jax.data import digits
   from layup_jax.data.pipeline import Batch, TrainIterator
-  from layup_jax.options import RuntimeOptions
-  from layup_jax.runtime import AsyncRuntime
+  from layup_jax.runtime.engine import AsyncRuntime
+  from layup_jax.runtime.options import RuntimeOptions
 
   model = model or mlp_model()
   train, _ = digits.load_digits(0.2)

@@ -20,6 +20,8 @@ import sys
 import jax
 import numpy as np
 
+from layup_jax.multiprocess import gathers
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
@@ -30,9 +32,10 @@ def main() -> None:
                              num_processes=int(processes), process_id=int(process_id))
   import optax
 
-  from layup_jax import compile_cache, traffic
   from layup_jax.algorithms.gossip import ADPSGD, GoSGD
   from layup_jax.algorithms.layup import LayUp
+  from layup_jax.multiprocess import traffic
+  from layup_jax.platform import compile_cache
   from tests.helpers import make_layup_runtime
 
   compile_cache.enable("")  # the tests' folder (conftest.py), written by every process
@@ -69,9 +72,8 @@ def main() -> None:
   compressed = compressor is not None
   drift = None
   if compressed:  # the run's residuals (every process's) against the average
-    from layup_jax import distributed
 
-    every = distributed.all_gather_pickled(held)
+    every = gathers.all_gather_pickled(held)
     total = jax.tree.map(lambda *parts: sum(parts), *every)
     drift = float(optax.tree.norm(total) / optax.tree.norm(center))
   sums = runtime.stats.weight_sums()
@@ -97,9 +99,8 @@ def main() -> None:
 
 def distributed_sends(runtime) -> list[int]:
   """Every process's count of sends to other processes."""
-  from layup_jax import distributed
 
-  return distributed.all_gather_json(runtime.transport.remote_sends())
+  return gathers.all_gather_json(runtime.transport.remote_sends())
 
 
 if __name__ == "__main__":

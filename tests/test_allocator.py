@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from layup_jax import allocator
+from layup_jax.platform import allocator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,10 +11,11 @@ import numpy as np
 import optax
 import pytest
 
-from layup_jax import collectives, runner
+from layup_jax.algorithms import collectives
 from layup_jax.algorithms.gossip import ADPSGD, GoSGD
 from layup_jax.algorithms.periodic import CO2Outer, OptaxOuter, SlowMo, make_exchange, sync_step
-from layup_jax.stages import StagedModel
+from layup_jax.models.staged import StagedModel
+from layup_jax.run import runner
 from tests.helpers import Hidden, make_layup_runtime, plain_mlp
 
 PEERS = [1, 3, 0, 2, 2, 0, 3, 1]  # scripted peer of each serial iteration

@@ -14,14 +14,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_train
 
-from layup_jax import allocator
+from layup_jax.platform import allocator
 
 # Stands for `layup_jax.train`: runs one program per device, starts a thread as the runtime
 # starts its own, and reports where every thread may run and what it was given.
 _PROBE = r"""
 import json, os, sys, threading
 import bench_host, jax, numpy as np
-from layup_jax import allocator
+from layup_jax.platform import allocator
 jax.block_until_ready([jax.device_put(np.ones(4096, np.float32), d).sum() for d in jax.devices()])
 seen = {}
 thread = threading.Thread(target=lambda: seen.update(cpus=sorted(os.sched_getaffinity(0))))

@@ -15,13 +15,16 @@ import jax
 import numpy as np
 import pytest
 
-from layup_jax import checkpointing, pushsum, remap, runner
 from layup_jax.algorithms import periodic
 from layup_jax.algorithms.periodic import CO2Outer, make_exchange
-from layup_jax.checkpointing import Checkpoints, DeviceRows
+from layup_jax.checkpoint import checks, layout
+from layup_jax.checkpoint.layout import DeviceRows
+from layup_jax.checkpoint.manager import Checkpoints
 from layup_jax.data.pipeline import Batch
 from layup_jax.errors import ConfigError, NonFiniteError, StorageError
-from layup_jax.metrics import read_metrics
+from layup_jax.pushsum import consensus, remap
+from layup_jax.run import runner
+from layup_jax.run.records import read_metrics
 from tests.helpers import make_layup_runtime, mlp_model, plain_mlp
 
 
@@ -107,7 +110,7 @@ def test_layup_resumes_with_the_replicas_opt_states_and_weights_it_saved(tmp_pat
 
 
 def _consensus(replica_params, weights):
-  return pushsum.consensus([jax.tree.map(np.asarray, p) for p in replica_params],
+  return consensus.consensus([jax.tree.map(np.asarray, p) for p in replica_params],
                            np.asarray(weights))
 
 
@@ -119,7 +122,7 @@ def test_each_devices_unit_is_a_row_of_one_array_per_dtype_read_back_per_device_
   devices = jax.devices()[:4]
   units = [{"w": jax.device_put(np.full((2, 3), k, np.float32), d),
             "step": jax.device_put(np.int32(k), d)} for k, d in enumerate(devices)]
-  packed = checkpointing.pack({"replicas": DeviceRows(units, 0, 4, devices)})["replicas"]
+  packed = layout.pack({"replicas": DeviceRows(units, 0, 4, devices)})["replicas"]
   assert {dtype: a.shape for dtype, a in packed.items()} == {"float32": (4, 6), "int32": (4, 1)}
   assert [s.device for s in packed["float32"].addressable_shards] == devices
   checkpoints = Checkpoints(tmp_path / "checkpoints", keep=1)
@@ -387,7 +390,7 @@ def test_an_unwritable_workdir_or_a_full_disk_fails_before_training(tiny_config,
   blocker.write_text("")
   with pytest.raises(StorageError, match="workdir"):
     runner.run(tiny_config, blocker / "run")
-  monkeypatch.setattr(checkpointing.shutil, "disk_usage",
+  monkeypatch.setattr(checks.shutil, "disk_usage",
                       lambda path: types.SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
   with pytest.raises(StorageError, match=r"MiB are free"):
     runner.run(tiny_config, tmp_path / "run")
@@ -407,12 +410,12 @@ def test_processes_sharing_a_workdir_probe_it_without_removing_each_others_probe
     if not interleaved:
       interleaved.append(path)
       with monkeypatch.context() as patch:
-        patch.setattr(checkpointing.jax, "process_index", lambda: 0)
-        checkpointing.check_storage(tmp_path, 1, keep=1)
+        patch.setattr(checks.jax, "process_index", lambda: 0)
+        checks.check_storage(tmp_path, 1, keep=1)
 
   monkeypatch.setattr(pathlib.Path, "write_bytes", write_then_process_0_probes)
-  monkeypatch.setattr(checkpointing.jax, "process_index", lambda: 1)
-  checkpointing.check_storage(tmp_path, 1, keep=1)
+  monkeypatch.setattr(checks.jax, "process_index", lambda: 1)
+  checks.check_storage(tmp_path, 1, keep=1)
   assert interleaved and not any((tmp_path / "checkpoints").iterdir())  # both probes removed
 
 

@@ -3,7 +3,8 @@ supported version runs these in CI): a jax that moves one fails here, by name, n
 
 import jax
 
-from layup_jax import compat, transfer
+from layup_jax.platform import compat
+from layup_jax.runtime import transfer
 
 
 def test_the_batched_copy_internals_are_there_and_taken():

@@ -8,7 +8,7 @@ import pytest
 from jax._src import cache_key, compilation_cache, compiler
 from jax._src import distributed as jax_distributed
 
-from layup_jax import compat, compile_cache
+from layup_jax.platform import compat, compile_cache
 from tests.helpers import backend_compilations
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layup_jax import compression
+from layup_jax.pushsum import compression
 
 
 @pytest.mark.parametrize("codec", ["bf16", "int8"])

@@ -8,8 +8,8 @@ import pytest
 
 from configs import base
 from layup_jax import data
-from layup_jax.config_validation import ConfigError, validate_config
-from layup_jax.options import CONFIG_KEYS, RuntimeOptions
+from layup_jax.run.validation import ConfigError, validate_config
+from layup_jax.runtime.options import CONFIG_KEYS, RuntimeOptions
 
 
 @pytest.mark.parametrize("key, value, message", [

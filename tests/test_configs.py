@@ -9,9 +9,10 @@ import pathlib
 import pytest
 
 from configs import base
-from layup_jax import data, runner
-from layup_jax.config_validation import column_notes, validate_config
+from layup_jax import data
 from layup_jax.errors import ConfigError
+from layup_jax.run import runner
+from layup_jax.run.validation import column_notes, validate_config
 from tests.helpers import write_fashion_mnist
 from tests.tfds_fakes import mocked_tfds
 

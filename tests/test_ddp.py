@@ -13,7 +13,7 @@ from layup_jax import models
 from layup_jax.algorithms import ddp
 from layup_jax.data import digits
 from layup_jax.data.pipeline import Batch
-from layup_jax.stages import StagedModel
+from layup_jax.models.staged import StagedModel
 from tests.helpers import DenseBN, FlatDense
 
 

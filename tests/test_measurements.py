@@ -8,11 +8,15 @@ import numpy as np
 import optax
 import pytest
 
-from layup_jax import flops, measurements, models, runner, stages
+from layup_jax import models
 from layup_jax.algorithms import ddp
 from layup_jax.data.pipeline import Batch
-from layup_jax.metrics import read_metrics
-from layup_jax.replicas import local_update
+from layup_jax.measure import flops
+from layup_jax.measure import run_figures as measurements
+from layup_jax.run import runner
+from layup_jax.run.records import read_metrics
+from layup_jax.runtime import programs
+from layup_jax.runtime.programs import local_update
 from tests.helpers import backend_compilations, make_layup_runtime, plain_mlp
 
 RECORDS = [
@@ -47,7 +51,7 @@ def test_staged_flops_equal_the_fused_step_flops():
   params, state = model.init(jax.random.key(0), batch.inputs)
   opt_state = [tx.init(p) for p in params]
   key, iteration = jax.random.key(1), np.int32(0)
-  staged = flops.staged_flops(model, stages.make_stage_steps(model),
+  staged = flops.staged_flops(model, programs.make_stage_steps(model),
                               jax.jit(functools.partial(local_update, tx)), params, state,
                               opt_state, batch, key, iteration)
   fused = flops.flops_of(jax.jit(functools.partial(ddp.train_step, model, tx)).lower(

@@ -1,4 +1,4 @@
-"""Who is lost and who rejoins an elastic gossip run (layup_jax/distributed.py `Membership`),
+"""Who is lost and who rejoins an elastic gossip run (layup_jax/multiprocess/membership.py),
 against an in-memory stand-in for the coordination service's key-value store."""
 
 import socket
@@ -9,7 +9,9 @@ import types
 import jax
 import pytest
 
-from layup_jax import compat, distributed
+from layup_jax.errors import RejoinError
+from layup_jax.multiprocess import gathers, membership
+from layup_jax.platform import compat
 
 
 class FakeStore:
@@ -67,12 +69,12 @@ class SlowWriter(FakeStore):
 def store(monkeypatch):
   fake = FakeStore()
   monkeypatch.setattr(compat, "coordination_client", lambda: fake)
-  monkeypatch.setattr(distributed.gather_order, "next", 7)
+  monkeypatch.setattr(membership.gather_order, "next", 7)
   return fake
 
 
 def test_an_admitted_process_is_not_found_lost_again_and_can_be_lost_later(store):
-  members, heard = distributed.Membership(), []
+  members, heard = membership.Membership(), []
   members.listen(lambda k, step: heard.append(("lost", k, step)),
                  lambda k: heard.append(("rejoined", k)))
   members.declare(store, 2, 40)
@@ -90,7 +92,7 @@ def test_an_admitted_process_is_not_found_lost_again_and_can_be_lost_later(store
 
 
 def test_only_a_lost_process_that_asked_is_admitted_one_per_consistent_point(store):
-  members = distributed.Membership()
+  members = membership.Membership()
   for k in (1, 2, 3):
     store.key_value_set(f"layup_jax/join/{k}", "1")  # 1 asks but was never lost
   members.declare(store, 3, 10)
@@ -100,62 +102,62 @@ def test_only_a_lost_process_that_asked_is_admitted_one_per_consistent_point(sto
 
 def test_a_restarted_process_takes_the_admissions_step_lost_set_and_next_gather(store,
                                                                               monkeypatch):
-  monkeypatch.setattr(distributed.jax, "process_index", lambda: 2)
-  primary = distributed.Membership()
+  monkeypatch.setattr(jax, "process_index", lambda: 2)
+  primary = membership.Membership()
   primary.declare(store, 1, 5)
   primary.declare(store, 2, 8)
   primary.clear(2)
   primary.admit(2, step=60)  # right after the gather that told the live processes
-  restarted = distributed.Membership()
+  restarted = membership.Membership()
   restarted.rejoining = True
   admission = restarted.await_admission()
   assert admission["step"] == 60
   assert restarted.lost == {1: 5} and not restarted.rejoining
-  assert distributed.gather_order.next == 7  # the live processes' next gather
+  assert membership.gather_order.next == 7  # the live processes' next gather
   assert "layup_jax/admit/2" not in store.values and "layup_jax/join/2" in store.values
 
 
 def test_a_restarted_process_whose_run_ended_says_so(store):
   store.key_value_set("layup_jax/done/0", "1")
-  with pytest.raises(distributed.RejoinError, match="the run ended first"):
-    distributed.Membership().await_admission()
+  with pytest.raises(RejoinError, match="the run ended first"):
+    membership.Membership().await_admission()
 
 
 @pytest.fixture
 def guarded(monkeypatch):
   """A fresh membership whose run a watchdog guards, and no fixed bound on a gather's wait
   other than the writer's life (the bound of an unguarded run set to zero)."""
-  members = distributed.Membership()
+  members = membership.Membership()
   members.watched = True
-  monkeypatch.setattr(distributed, "members", members)
-  monkeypatch.setattr(distributed, "GATHER_TIMEOUT_S", 0.0)
+  monkeypatch.setattr(membership, "members", members)
+  monkeypatch.setattr(gathers, "GATHER_TIMEOUT_S", 0.0)
   return members
 
 
 def test_a_guarded_gather_waits_for_a_slow_process_as_long_as_it_lives(monkeypatch, guarded):
   slow = SlowWriter("layup_jax/gather/7/1", b'"theirs"', polls=100)
   monkeypatch.setattr(compat, "coordination_client", lambda: slow)
-  monkeypatch.setattr(distributed.gather_order, "next", 7)
-  monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
-  monkeypatch.setattr(distributed.jax, "process_index", lambda: 0)
-  assert distributed.all_gather_json("mine") == ["mine", "theirs"]
+  monkeypatch.setattr(membership.gather_order, "next", 7)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  assert gathers.all_gather_json("mine") == ["mine", "theirs"]
   assert slow.waits == 101
 
 
 def test_an_unguarded_wait_ends_at_its_bound_naming_the_process(store, monkeypatch):
-  monkeypatch.setattr(distributed, "members", distributed.Membership())  # no watchdog
-  monkeypatch.setattr(distributed, "GATHER_TIMEOUT_S", 0.0)
+  monkeypatch.setattr(membership, "members", membership.Membership())  # no watchdog
+  monkeypatch.setattr(gathers, "GATHER_TIMEOUT_S", 0.0)
   with pytest.raises(TimeoutError, match="process 1 did not write"):
-    distributed.await_value(store, "layup_jax/gather/7/1", 1)
+    gathers.await_value(store, "layup_jax/gather/7/1", 1)
 
 
 def test_a_guarded_wait_ends_when_the_writer_ended_without_writing(store, guarded):
   store.key_value_set("layup_jax/done/1", "1")  # it failed on its own and said it is done
   with pytest.raises(RuntimeError, match="process 1 ended without writing"):
-    distributed.await_value(store, "layup_jax/gather/7/1", 1)
+    gathers.await_value(store, "layup_jax/gather/7/1", 1)
   guarded.declare(store, 2, 30)
-  with pytest.raises(distributed.ProcessLostError, match="process 2 was declared lost"):
-    distributed.await_value(store, "layup_jax/gather/7/2", 2)
+  with pytest.raises(gathers.ProcessLostError, match="process 2 was declared lost"):
+    gathers.await_value(store, "layup_jax/gather/7/2", 2)
 
 
 class NeverArrives:
@@ -172,8 +174,8 @@ def test_a_pull_from_a_host_that_vanished_ends_when_the_host_is_declared_lost(mo
   watchdog declares the source lost, the wait raises `ProcessLostError` (the receiver loop then
   ends quietly) and says in one line that the transfer's amount is lost with it; nothing
   computed on this process's devices waits for the transfer."""
-  from layup_jax.crossprocess import await_transfer
-  monkeypatch.setattr(distributed.members, "elastic", True)
+  from layup_jax.multiprocess.wire import await_transfer
+  monkeypatch.setattr(membership.members, "elastic", True)
   peers = types.SimpleNamespace(lost=set())
   declared_at = []
 
@@ -182,7 +184,7 @@ def test_a_pull_from_a_host_that_vanished_ends_when_the_host_is_declared_lost(mo
     peers.lost = {2}
 
   threading.Timer(0.2, declare).start()
-  with pytest.raises(distributed.ProcessLostError):
+  with pytest.raises(gathers.ProcessLostError):
     await_transfer([NeverArrives(), NeverArrives()], 2, lambda k: k in peers.lost, 1)
   # Raised only after the declaration, and soon after it (the wait polls every millisecond).
   assert declared_at and 0 <= time.monotonic() - declared_at[0] < 5
@@ -198,7 +200,7 @@ def test_a_lost_hosts_sockets_are_shut_so_that_a_blocked_receive_ends():
   long as TCP retransmits; `shut_sockets_to(host)` ends that receive at once (as if the host
   had closed the connection) and leaves the connections to other hosts working. (Loopback's
   127.0.0.2 stands for the lost host, 127.0.0.1 for a live one.)"""
-  from layup_jax.crossprocess import shut_sockets_to
+  from layup_jax.multiprocess.wire import shut_sockets_to
   servers = [socket.create_server((host, 0)) for host in ("127.0.0.2", "127.0.0.1")]
   lost, live = [socket.create_connection(s.getsockname()) for s in servers]
   accepted = [s.accept()[0] for s in servers]
@@ -221,17 +223,17 @@ def test_a_gather_reads_the_other_processes_parts_and_not_its_own_back(store, mo
   again (an evaluation's per-process sums: one model each)."""
   import pickle
 
-  monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
-  monkeypatch.setattr(distributed.jax, "process_index", lambda: 1)
-  monkeypatch.setattr(distributed, "members", distributed.Membership())
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(membership, "members", membership.Membership())
   read = []
   get = store.blocking_key_value_get_bytes
   monkeypatch.setattr(store, "blocking_key_value_get_bytes",
                       lambda key, timeout_ms: read.append(key) or get(key, timeout_ms))
   store.key_value_set_bytes("layup_jax/gather/7/0", pickle.dumps({"mass": [1.0, 2.0]}))
   store.key_value_set_bytes("layup_jax/gather/8/0", b'{"step": 3}')
-  assert distributed.all_gather_pickled({"mass": [5.0]}) == [{"mass": [1.0, 2.0]},
+  assert gathers.all_gather_pickled({"mass": [5.0]}) == [{"mass": [1.0, 2.0]},
                                                              {"mass": [5.0]}]
-  assert distributed.all_gather_json({"step": 4}) == [{"step": 3}, {"step": 4}]
+  assert gathers.all_gather_json({"step": 4}) == [{"step": 3}, {"step": 4}]
   assert read == ["layup_jax/gather/7/0", "layup_jax/gather/8/0"]
   assert "layup_jax/gather/7/1" in store.values  # written for the others to read

@@ -8,13 +8,15 @@ import optax
 import pytest
 
 from configs import base
-from layup_jax import models, stages
+from layup_jax import models
 from layup_jax.algorithms.ddp import DDPRuntime
 from layup_jax.algorithms.layup import LayUp
 from layup_jax.data.pipeline import Batch
 from layup_jax.models import __main__ as summary
-from layup_jax.options import RuntimeOptions
-from layup_jax.runtime import AsyncRuntime
+from layup_jax.models import staged
+from layup_jax.runtime import programs, staged_pass
+from layup_jax.runtime.engine import AsyncRuntime
+from layup_jax.runtime.options import RuntimeOptions
 
 PUBLISHED = {"resnet18": 11.69e6, "resnet50": 25.56e6, "gpt2": 124e6, "gpt2-medium": 355e6,
              "gpt2-large": 774e6, "gpt2-xl": 1558e6}
@@ -66,8 +68,8 @@ def test_staged_gradients_equal_jax_grad(config):
   batch = batch_for(config, 4, 0)
   params, state = model.init(jax.random.key(0), batch.inputs)
   key, iteration = jax.random.key(1), np.int32(2)
-  loss, grads, _ = stages.staged_value_and_grad(
-      model, stages.make_stage_steps(model), params, state, batch.inputs, batch.targets, key,
+  loss, grads, _ = staged_pass.staged_value_and_grad(
+      model, programs.make_stage_steps(model), params, state, batch.inputs, batch.targets, key,
       iteration)
   (want_loss, _), want = jax.value_and_grad(model.loss, has_aux=True)(
       params, state, batch.inputs, batch.targets, key, iteration)
@@ -122,8 +124,8 @@ def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
   key, iteration = jax.random.key(1), np.int32(0)
   wte_shape = (config.vocab_size, 64)
 
-  _, grads, _ = stages.staged_value_and_grad(
-      model, stages.make_stage_steps(model), params, state, batch.inputs, batch.targets, key,
+  _, grads, _ = staged_pass.staged_value_and_grad(
+      model, programs.make_stage_steps(model), params, state, batch.inputs, batch.targets, key,
       iteration)
 
   def loss_with(embedding_wte, head_wte):
@@ -131,9 +133,9 @@ def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
     first = [{**params[0], "wte": {"embedding": embedding_wte}}, *params[1:]]
     x = batch.inputs
     for s in range(model.num_stages - 1):
-      x, _ = model.apply_stage(s, first[s], state[s], x, stages.stage_rng(key, iteration, s), True)
+      x, _ = model.apply_stage(s, first[s], state[s], x, staged.stage_rng(key, iteration, s), True)
     logits, _ = model.apply_stage(model.num_stages - 1, params[-1], state[-1], (x, head_wte),
-                                  stages.stage_rng(key, iteration, model.num_stages - 1), True)
+                                  staged.stage_rng(key, iteration, model.num_stages - 1), True)
     return model.loss_fn(logits, batch.targets)
 
   wte = params[0]["wte"]["embedding"]
@@ -163,9 +165,9 @@ def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
 
 def test_identical_blocks_share_one_jitted_function():
   model = models.make_model(tiny("gpt2", dropout=0.1))  # embedding, 2 equal blocks, head
-  steps = stages.make_stage_steps(model)
+  steps = programs.make_stage_steps(model)
   assert steps.forward[1] is steps.forward[2]
   assert steps.forward[0] is not steps.forward[1]
   # Dropout still differs between the two blocks: each stage has its own key.
-  keys = [stages.stage_key(jax.random.key(0), s) for s in range(model.num_stages)]
+  keys = [staged.stage_key(jax.random.key(0), s) for s in range(model.num_stages)]
   assert not np.array_equal(jax.random.key_data(keys[1]), jax.random.key_data(keys[2]))

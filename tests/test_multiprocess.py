@@ -14,11 +14,13 @@ import jax
 import pytest
 
 from configs import base, digits
-from layup_jax import crossprocess, distributed, launch, models, runner, traffic
+from layup_jax import launch, models
 from layup_jax.data.digits import load_digits
 from layup_jax.errors import ConfigError
 from layup_jax.launch import commands, environment, free_port, gpu_groups, visible_gpus
-from layup_jax.metrics import read_metrics
+from layup_jax.multiprocess import setup, traffic, wire
+from layup_jax.run import runner
+from layup_jax.run.records import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -390,7 +392,7 @@ def test_a_bad_distributed_setting_is_one_line(keys, message):
   base.set_values(config, keys)
   with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")
                      .replace(")", r"\)")):
-    distributed.settings(config)
+    setup.settings(config)
 
 
 def test_distributed_keys_without_a_distributed_process_are_refused(tiny_config, tmp_path):
@@ -401,14 +403,14 @@ def test_distributed_keys_without_a_distributed_process_are_refused(tiny_config,
 
 
 def test_no_coordinator_is_a_single_process_run():
-  assert distributed.settings(base.get_config().distributed) is None
-  assert distributed.initialize(base.get_config().distributed) is False
+  assert setup.settings(base.get_config().distributed) is None
+  assert setup.initialize(base.get_config().distributed) is False
 
 
 def test_a_transfer_server_that_cannot_start_is_one_line():
   with pytest.raises(ConfigError, match=r"did not start on 10\.255\.255\.1 .*Cannot assign "
                                         r"requested address.*config.distributed.transfer_host"):
-    crossprocess.start_server("10.255.255.1", 1)
+    wire.start_server("10.255.255.1", 1)
 
 
 def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):

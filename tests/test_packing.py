@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from layup_jax import packing
+from layup_jax.runtime import packing
 
 TREE = {"dense": {"kernel": np.arange(6, dtype=np.float32).reshape(2, 3),
                   "bias": np.array([7.0, 8.0], np.float32)},

@@ -2,7 +2,8 @@
 
 import subprocess
 
-from layup_jax import provenance, runner
+from layup_jax.measure import provenance
+from layup_jax.run import runner
 
 
 def _git(where, *args):

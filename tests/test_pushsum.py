@@ -6,15 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layup_jax import pushsum
+from layup_jax.pushsum import consensus, mixing
 
 
 def test_two_replica_merge_matches_hand_computation():
-  weights = pushsum.PushSumWeights(4, 2)  # every weight 1/4
+  weights = mixing.PushSumWeights(4, 2)  # every weight 1/4
   sent = weights.halve(0, 1)  # w_{0,1}: 1/4 -> 1/8, 1/8 travels
   share = weights.receiver_share(1, 1, sent)  # w_{1,1} / (w_{1,1} + sent) = (1/4) / (3/8)
   assert share == pytest.approx(2 / 3, abs=1e-15)
-  merged = pushsum.merge({"w": jnp.array([3.0, 0.0])}, {"w": jnp.array([0.0, 6.0])}, share)
+  merged = mixing.merge({"w": jnp.array([3.0, 0.0])}, {"w": jnp.array([0.0, 6.0])}, share)
   chex.assert_trees_all_close(merged, {"w": jnp.array([2.0, 2.0])}, atol=1e-6)
   weights.add(1, 1, sent)
   assert weights.values == [[1 / 4, 1 / 8], [1 / 4, 3 / 8], [1 / 4, 1 / 4], [1 / 4, 1 / 4]]
@@ -22,7 +22,7 @@ def test_two_replica_merge_matches_hand_computation():
 
 
 def test_weight_sums_stay_one_over_a_scripted_peer_sequence():
-  weights = pushsum.PushSumWeights(8, 3)
+  weights = mixing.PushSumWeights(8, 3)
   rng = np.random.default_rng(0)
   for _ in range(1000):
     i, s = int(rng.integers(8)), int(rng.integers(3))
@@ -38,7 +38,7 @@ def test_send_and_merge_conserve_each_stages_weighted_mass():
   rng = np.random.default_rng(1)
   replicas = [[{"a": jnp.asarray(rng.normal(size=(3,)), jnp.float32)} for _ in range(2)]
               for _ in range(4)]
-  weights = pushsum.PushSumWeights(4, 2)
+  weights = mixing.PushSumWeights(4, 2)
 
   def mass(s):
     return sum(w[s] * r[s]["a"] for w, r in zip(weights.values, replicas))
@@ -47,7 +47,7 @@ def test_send_and_merge_conserve_each_stages_weighted_mass():
   for i, j, s in [(0, 1, 0), (2, 1, 1), (0, 1, 1), (3, 1, 0), (1, 2, 0), (2, 0, 1)]:
     sent = weights.halve(i, s)
     share = weights.receiver_share(j, s, sent)
-    replicas[j][s] = pushsum.merge(replicas[j][s], replicas[i][s], share)
+    replicas[j][s] = mixing.merge(replicas[j][s], replicas[i][s], share)
     weights.add(j, s, sent)
   for s in range(2):
     chex.assert_trees_all_close(mass(s), before[s], atol=1e-6)
@@ -56,22 +56,22 @@ def test_send_and_merge_conserve_each_stages_weighted_mass():
 def test_consensus_is_the_weighted_mean_of_each_stage_and_distance_is_relative():
   replicas = [[{"a": jnp.array([1.0, 0.0])}, {"b": jnp.array(2.0)}],
               [{"a": jnp.array([3.0, 0.0])}, {"b": jnp.array(6.0)}]]
-  center = pushsum.consensus(replicas, jnp.array([[0.75, 0.5], [0.25, 0.5]]))
+  center = consensus.consensus(replicas, jnp.array([[0.75, 0.5], [0.25, 0.5]]))
   chex.assert_trees_all_close(center, [{"a": jnp.array([1.5, 0.0])}, {"b": jnp.array(4.0)}])
   # stage 0: ||1 - 1.5||^2 = 0.25, ||3 - 1.5||^2 = 2.25; stage 1: 4 and 4. Means over replicas
   # of the whole model: (0.25 + 4 + 2.25 + 4) / 2 = 5.25, over ||x_bar||^2 = 2.25 + 16.
-  distance = pushsum.consensus_distance(replicas, center)
+  distance = consensus.consensus_distance(replicas, center)
   assert float(distance) == pytest.approx(5.25 / 18.25, rel=1e-6)
-  same = pushsum.consensus_distance([replicas[0]] * 3, replicas[0])
+  same = consensus.consensus_distance([replicas[0]] * 3, replicas[0])
   assert float(same) == 0.0
 
 
 def test_a_pairwise_average_as_a_correction_keeps_the_sum_and_a_concurrent_step():
   mine, theirs = jnp.array([1.0, 2.0]), jnp.array([3.0, -2.0])
-  chex.assert_trees_all_close(pushsum.toward_average(mine, mine, theirs), jnp.array([2.0, 0.0]))
+  chex.assert_trees_all_close(mixing.toward_average(mine, mine, theirs), jnp.array([2.0, 0.0]))
   stepped = mine + jnp.array([0.5, 0.5])  # a local step landed after `mine` was read
-  left = pushsum.toward_average(stepped, mine, theirs)
-  right = pushsum.toward_average(theirs, theirs, mine)
+  left = mixing.toward_average(stepped, mine, theirs)
+  right = mixing.toward_average(theirs, theirs, mine)
   chex.assert_trees_all_close(left + right, stepped + theirs)
   chex.assert_trees_all_close(left, jnp.array([2.5, 0.5]))
 
@@ -85,13 +85,13 @@ def test_the_consensus_from_each_process_s_weighted_sums_is_the_consensus_of_eve
   weights = rng.uniform(0.1, 1.0, size=(6, 3))
   weights /= weights.sum(axis=0)
   parts = [(0, 2), (2, 5), (5, 6)]  # three processes of 2, 3 and 1 devices
-  masses = [pushsum.stage_masses(replicas[a:b], weights[a:b]) for a, b in parts]
-  center = pushsum.consensus_of_masses(masses, weights, replicas[0])
-  want = pushsum.consensus(replicas, weights)
+  masses = [consensus.stage_masses(replicas[a:b], weights[a:b]) for a, b in parts]
+  center = consensus.consensus_of_masses(masses, weights, replicas[0])
+  want = consensus.consensus(replicas, weights)
   for got_stage, want_stage in zip(center, want, strict=True):
     for got, expected in zip(jax.tree.leaves(got_stage), jax.tree.leaves(want_stage)):
       assert got.dtype == np.float32
       np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-  squared = sum(pushsum.squared_distances(replicas[a:b], center) for a, b in parts)
-  distance = squared / len(replicas) / pushsum.squared_norm(center)
-  assert distance == pytest.approx(float(pushsum.consensus_distance(replicas, want)), rel=1e-5)
+  squared = sum(consensus.squared_distances(replicas[a:b], center) for a, b in parts)
+  distance = squared / len(replicas) / consensus.squared_norm(center)
+  assert distance == pytest.approx(float(consensus.consensus_distance(replicas, want)), rel=1e-5)

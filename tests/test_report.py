@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from layup_jax import provenance, runner
+from layup_jax.measure import provenance
+from layup_jax.run import runner
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
 

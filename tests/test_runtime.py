@@ -16,14 +16,18 @@ import optax
 import pytest
 
 from configs import base
-from layup_jax import optim, pushsum, straggler, threads, transfer
+from layup_jax import optim
 from layup_jax.algorithms.gossip import ADPSGD, GoSGD
 from layup_jax.algorithms.periodic import make_exchange
 from layup_jax.data import EvalSet, digits
-from layup_jax.evaluation import Evaluator
-from layup_jax.options import RuntimeOptions
-from layup_jax.replicas import ReplicaStore, local_update
-from layup_jax.runtime import WorkerError
+from layup_jax.pushsum import consensus, mixing
+from layup_jax.run.evaluation import Evaluator
+from layup_jax.runtime import scheduler as threads
+from layup_jax.runtime import straggler, transfer
+from layup_jax.runtime.engine import WorkerError
+from layup_jax.runtime.options import RuntimeOptions
+from layup_jax.runtime.programs import local_update
+from layup_jax.runtime.replicas import ReplicaStore
 from tests.helpers import backend_compilations, make_layup_runtime, mlp_model
 
 EXCHANGES = {"layup": None, "gosgd": GoSGD, "adpsgd": ADPSGD}
@@ -46,7 +50,7 @@ def _host_params(runtime):
 
 def _average(runtime):
   """The push-sum average, stage by stage: sum_i w_{i,s} x_{i,s} / sum_i w_{i,s}."""
-  return pushsum.consensus(_host_params(runtime), np.asarray(runtime.store.weights.values))
+  return consensus.consensus(_host_params(runtime), np.asarray(runtime.store.weights.values))
 
 
 def _relative_distance(a, b) -> float:
@@ -83,7 +87,7 @@ def test_packed_stages_train_exactly_as_pytree_stages():
 def test_scripted_peer_sequence_moves_the_weights_as_push_sum_and_keeps_their_sums(push_sum):
   runtime = make_layup_runtime(4, push_sum=push_sum)
   script = [(0, 1), (1, 2), (2, 0), (3, 0), (0, 3), (1, 0), (2, 1), (3, 2)]
-  expected = pushsum.PushSumWeights(4, 1)  # every stage moves as one weight would
+  expected = mixing.PushSumWeights(4, 1)  # every stage moves as one weight would
   for device, peer in script:
     runtime.iterate_serial(device, peer)
     expected.add(peer, 0, expected.halve(device, 0))
@@ -97,13 +101,13 @@ def test_with_learning_rate_zero_serial_gossip_reaches_consensus_and_keeps_the_a
   runtime = make_layup_runtime(8, learning_rate=0.0, exchange=EXCHANGES[algorithm])
   _perturb_replicas(runtime)
   start = _average(runtime)
-  assert float(pushsum.consensus_distance(_host_params(runtime), start)) > 1e-2
+  assert float(consensus.consensus_distance(_host_params(runtime), start)) > 1e-2
   rng = np.random.default_rng(0)
   for _ in range(60):
     for device in rng.permutation(8):
       runtime.iterate_serial(int(device))
   center = _average(runtime)
-  assert float(pushsum.consensus_distance(_host_params(runtime), center)) < 1e-6
+  assert float(consensus.consensus_distance(_host_params(runtime), center)) < 1e-6
   assert _relative_distance(center, start) < 1e-6
 
 
@@ -132,7 +136,7 @@ def test_threaded_gossip_keeps_the_push_sum_average_of_every_stage(algorithm):
   runtime = make_layup_runtime(8, learning_rate=0.0, exchange=EXCHANGES[algorithm])
   _perturb_replicas(runtime)
   start = _average(runtime)
-  spread = float(pushsum.consensus_distance(_host_params(runtime), start))
+  spread = float(consensus.consensus_distance(_host_params(runtime), start))
   runtime.compile()
   runtime.run_until(8 * 300, lambda _: None)
   runtime.close()
@@ -140,7 +144,7 @@ def test_threaded_gossip_keeps_the_push_sum_average_of_every_stage(algorithm):
   assert runtime.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
   center = _average(runtime)
   assert _relative_distance(center, start) < 1e-5
-  assert float(pushsum.consensus_distance(_host_params(runtime), center)) < 1e-3 * spread
+  assert float(consensus.consensus_distance(_host_params(runtime), center)) < 1e-3 * spread
 
 
 class _Lineage:
@@ -247,7 +251,7 @@ def test_sends_to_a_device_with_a_full_queue_go_to_another_peer():
   # blocks the sender. Device 1 is held back by a long program; device 0 keeps sending to it:
   # once 8 of its merges are pending there, device 0's stages go to device 2 instead, and
   # device 0 goes on training while device 1's program still runs.
-  from layup_jax import transport
+  from layup_jax.runtime import sends as transport
 
   runtime = make_layup_runtime(3)
   runtime.compile()
@@ -730,7 +734,7 @@ def test_auto_pins_the_two_threads_only_where_the_devices_are_not_the_hosts_cpus
 
 
 def test_a_scheduler_counts_the_time_it_slept_with_nothing_to_run():
-  from layup_jax.scheduler import Scheduler, Sleep
+  from layup_jax.runtime.scheduler import Scheduler, Sleep
 
   def waits(seconds):
     yield Sleep(seconds)
@@ -746,7 +750,7 @@ def test_a_scheduler_counts_the_time_it_slept_with_nothing_to_run():
 
 
 def test_an_idle_scheduler_looks_again_at_most_every_max_poll_s():
-  from layup_jax.scheduler import Scheduler, Sleep
+  from layup_jax.runtime.scheduler import Scheduler, Sleep
 
   def waits(seconds):
     yield Sleep(seconds)

@@ -9,8 +9,10 @@ import numpy as np
 import optax
 import pytest
 
-from layup_jax import models, packing, replicas, stages
+from layup_jax import models
 from layup_jax.data import digits
+from layup_jax.models import staged
+from layup_jax.runtime import packing, programs, staged_pass
 from tests.helpers import DenseBN, FlatDense, mlp_model
 
 
@@ -19,7 +21,7 @@ def _digits_batch(size=16):
   return train.inputs[:size], train.targets[:size]
 
 
-@pytest.mark.parametrize("remat", sorted(stages.REMAT_POLICIES))
+@pytest.mark.parametrize("remat", sorted(programs.REMAT_POLICIES))
 @pytest.mark.parametrize("model_name", ["resnet", "mlp"])
 def test_staged_gradients_equal_jax_grad_of_the_composed_model(tiny_config, model_name, remat):
   model = models.make_model(tiny_config.model) if model_name == "resnet" else mlp_model()
@@ -27,8 +29,8 @@ def test_staged_gradients_equal_jax_grad_of_the_composed_model(tiny_config, mode
   params, state = model.init(jax.random.key(0), images)
   key, iteration = jax.random.key(1), np.int32(3)
 
-  loss, grads, new_state = stages.staged_value_and_grad(
-      model, stages.make_stage_steps(model, remat=remat), params, state, images, labels, key,
+  loss, grads, new_state = staged_pass.staged_value_and_grad(
+      model, programs.make_stage_steps(model, remat=remat), params, state, images, labels, key,
       iteration
   )
   (want_loss, want_state), want_grads = jax.value_and_grad(model.loss, has_aux=True)(
@@ -52,9 +54,9 @@ class _ReadsTied(nn.Module):
     return nn.relu(nn.BatchNorm(use_running_average=not train)(x @ kernel.T))
 
 
-def _tied_mlp() -> stages.StagedModel:
-  return stages.StagedModel([DenseBN(16), _ReadsTied(), DenseBN(8), FlatDense(10)],
-                            ties=(stages.Tie(0, 1, ("Dense_0", "kernel")),))
+def _tied_mlp() -> staged.StagedModel:
+  return staged.StagedModel([DenseBN(16), _ReadsTied(), DenseBN(8), FlatDense(10)],
+                            ties=(staged.Tie(0, 1, ("Dense_0", "kernel")),))
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -72,8 +74,8 @@ def test_the_forwards_as_one_program_give_the_stage_by_stage_gradients(tiny_conf
   options = {"packings": packings, "state_packings": layouts} if packed else {}
   key, iteration = jax.random.key(1), np.int32(3)
   by_stage, chained = (
-      stages.staged_value_and_grad(
-          model, stages.make_stage_steps(model, chain_forwards=chain, **options), params, state,
+      staged_pass.staged_value_and_grad(
+          model, programs.make_stage_steps(model, chain_forwards=chain, **options), params, state,
           images, labels, key, iteration)
       for chain in (False, True))
   assert float(chained[0]) == pytest.approx(float(by_stage[0]), rel=1e-6)
@@ -87,10 +89,10 @@ def test_the_forwards_as_one_program_give_the_stage_by_stage_gradients(tiny_conf
 
 
 def test_one_stage_model_has_no_input_gradient():
-  model = stages.StagedModel([mlp_model().modules[-1]])
+  model = staged.StagedModel([mlp_model().modules[-1]])
   images, labels = _digits_batch(8)
   params, state = model.init(jax.random.key(0), images)
-  steps = stages.make_stage_steps(model)
+  steps = programs.make_stage_steps(model)
   loss, _, grads, dx = steps.loss(params[0], state[0], images, labels, jax.random.key(0), 0)
   assert dx is None and np.isfinite(float(loss))
   want = jax.grad(lambda p: model.loss(p, state, images, labels, jax.random.key(0), 0)[0])(params)
@@ -105,7 +107,7 @@ def test_recomputing_elementwise_work_keeps_a_fraction_of_the_residuals(tiny_con
   params, state = model.init(jax.random.key(0), images)
   kept = {}
   for remat in ("none", "dots"):
-    steps, x, total = stages.make_stage_steps(model, remat=remat), images, 0
+    steps, x, total = programs.make_stage_steps(model, remat=remat), images, 0
     for s in range(model.num_stages - 1):
       x, _, vjp = steps.forward[s](params[s], state[s], x, jax.random.key(1), 0)
       total += sum(leaf.nbytes for leaf in jax.tree.leaves(vjp))
@@ -130,7 +132,7 @@ def test_grouped_stages_compute_the_ungrouped_model(tiny_config, model_name):
     model, (inputs, labels), per_group = _tiny_gpt2(), _tokens(), 2
   else:
     model, (inputs, labels), per_group = models.make_model(tiny_config.model), _digits_batch(), 3
-  grouped = stages.group_stages(model, per_group)
+  grouped = staged.group_stages(model, per_group)
   assert grouped.num_stages == -(-model.num_stages // per_group) + (model_name == "gpt2")
   params, state = model.init(jax.random.key(0), inputs)
   members, start = [], 0
@@ -143,8 +145,8 @@ def test_grouped_stages_compute_the_ungrouped_model(tiny_config, model_name):
       {c: {f"parts_{k}": per_stage[s][c] for k, s in enumerate(group) if c in per_stage[s]}
        for c in {c for s in group for c in per_stage[s]}} for group in members]
   key, iteration = jax.random.key(1), np.int32(3)
-  loss, grads, _ = stages.staged_value_and_grad(
-      grouped, stages.make_stage_steps(grouped), nest(params), nest_state(state), inputs, labels,
+  loss, grads, _ = staged_pass.staged_value_and_grad(
+      grouped, programs.make_stage_steps(grouped), nest(params), nest_state(state), inputs, labels,
       key, iteration)
   (want_loss, _), want = jax.value_and_grad(model.loss, has_aux=True)(
       params, state, inputs, labels, key, iteration)
@@ -158,14 +160,14 @@ def test_a_fused_backward_and_update_equals_the_backward_then_the_update():
   inputs, labels = _tokens()
   params, state = model.init(jax.random.key(0), inputs)
   tx = optax.adam(0.01)
-  steps = stages.make_stage_steps(model, update=functools.partial(replicas.local_update, tx))
+  steps = programs.make_stage_steps(model, update=functools.partial(programs.local_update, tx))
   key, iteration, step = jax.random.key(1), np.int32(0), np.int32(0)
-  keys = [stages.stage_key(key, s) for s in range(model.num_stages)]
-  _, grads, _ = stages.staged_value_and_grad(model, steps, params, state, inputs, labels, key,
+  keys = [staged.stage_key(key, s) for s in range(model.num_stages)]
+  _, grads, _ = staged_pass.staged_value_and_grad(model, steps, params, state, inputs, labels, key,
                                              iteration)
-  want = [replicas.local_update(tx, p, tx.init(p), g, step)[:2] for p, g in zip(params, grads)]
+  want = [programs.local_update(tx, p, tx.init(p), g, step)[:2] for p, g in zip(params, grads)]
 
-  class Fused(stages.FixedStages):
+  class Fused(staged_pass.FixedStages):
     """The loss stage's and every backward's update in their programs, on fixed params."""
 
     def loss(self, x, labels, key, iteration):
@@ -184,7 +186,7 @@ def test_a_fused_backward_and_update_equals_the_backward_then_the_update():
 
   fused = Fused(steps, params, list(state))
   fused.updated = [None] * model.num_stages
-  stages.staged_pass(model, steps, fused, inputs, labels, keys, iteration, lambda s, out: None)
+  staged_pass.staged_pass(model, steps, fused, inputs, labels, keys, iteration, lambda s, out: None)
   chex.assert_trees_all_close(fused.updated, want, atol=1e-6, rtol=1e-5)
   tied = ("wte", "embedding")
   moved = np.abs(fused.updated[0][0][tied[0]][tied[1]] - params[0][tied[0]][tied[1]]).max()

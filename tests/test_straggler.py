@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from layup_jax import scheduler, straggler
+from layup_jax.runtime import scheduler, straggler
 
 CALIBRATED = 1e-5  # seconds per unit of the delay program, as calibrated on an idle device
 HOST, WORK = 0.9e-3, 1e-3  # an iteration's host dispatch and device work, in seconds

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layup_jax import collectives, traffic
-from layup_jax.exchange import PeerSampler
+from layup_jax.algorithms import collectives
+from layup_jax.multiprocess import traffic
+from layup_jax.runtime.sends import PeerSampler
 
 
 def test_the_bytes_an_all_reduce_reduces_are_read_from_the_compiled_program():

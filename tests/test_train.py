@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from layup_jax import runner
-from layup_jax.metrics import read_metrics
+from layup_jax.run import runner
+from layup_jax.run.records import read_metrics
 from tests.helpers import tensorboard_scalars
 
 EVAL_KEYS = {"step", "time_s", "split", "loss", "accuracy", "device0_loss", "device0_accuracy",

@@ -5,6 +5,11 @@ An algorithm is a `build(config, model, tx, devices, dataset) -> Runtime` and it
 (`Algorithm`); everything that differs between two algorithms on the same runtime (GoSGD and
 AD-PSGD, or the four periodic baselines) is bound here, where it is named, rather than by
 branching on the name elsewhere.
+
+Owns: one module per method (`layup`: paper Algorithm 1; `gossip`: GoSGD, AD-PSGD; `ddp`;
+`periodic` with its outer steps in `outer`: Local SGD, SlowMo, CO2, DiLoCo), what every
+algorithm exposes to the runner (`base.Runtime`) and exact averages over devices
+(`collectives`). Imports `runtime` and the packages below it; only `run` imports it.
 """
 
 import dataclasses
@@ -16,7 +21,7 @@ import optax
 
 from layup_jax.algorithms import ddp, gossip, layup, periodic
 from layup_jax.algorithms.base import Runtime, asynchronous_runtime
-from layup_jax.snapshot import Snapshot
+from layup_jax.runtime.stats import Snapshot
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,10 +9,10 @@ import optax
 
 from layup_jax import models
 from layup_jax.data.pipeline import Batch
-from layup_jax.options import RuntimeOptions
-from layup_jax.run_stats import RunStats
-from layup_jax.runtime import AsyncRuntime
-from layup_jax.stages import StagedModel
+from layup_jax.models.staged import StagedModel
+from layup_jax.runtime.engine import AsyncRuntime
+from layup_jax.runtime.options import RuntimeOptions
+from layup_jax.runtime.stats import RunStats
 
 PyTree = Any
 

@@ -28,15 +28,16 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from layup_jax import distributed, flops, nonfinite, traffic
 from layup_jax.algorithms.base import init_model
 from layup_jax.data import Dataset, TrainStreams
 from layup_jax.errors import NonFiniteError
-from layup_jax.run_stats import RunStats
-from layup_jax.scheduler import drive
-from layup_jax.snapshot import Snapshot
-from layup_jax.stages import StagedModel
-from layup_jax.straggler import IterationClock
+from layup_jax.measure import flops
+from layup_jax.models.staged import StagedModel
+from layup_jax.multiprocess import gathers, setup, traffic
+from layup_jax.runtime import programs
+from layup_jax.runtime.scheduler import drive
+from layup_jax.runtime.stats import RunStats, Snapshot
+from layup_jax.runtime.straggler import IterationClock
 
 BATCH_NORM = ("replica", "global")  # config.baselines.ddp_batch_norm
 
@@ -66,12 +67,12 @@ def train_step(model: StagedModel, tx: optax.GradientTransformation, params, sta
   (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       params, state, inputs, targets, key, iteration
   )
-  finite = jnp.stack([nonfinite.all_finite(stage_grads) for stage_grads in grads])
+  finite = jnp.stack([programs.all_finite(stage_grads) for stage_grads in grads])
   updates, new_opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params,
                                                                      step=iteration)
   new = (optax.apply_updates(params, updates), new_state, new_opt_state)
   if skip_nonfinite:
-    new = nonfinite.select(jnp.all(finite) & jnp.isfinite(loss), new, (params, state, opt_state))
+    new = programs.select(jnp.all(finite) & jnp.isfinite(loss), new, (params, state, opt_state))
   return (*new, loss, finite)
 
 
@@ -91,14 +92,14 @@ class DDPRuntime:
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._sharded = NamedSharding(mesh, PartitionSpec("data"))
     # This process feeds its own devices' slices of the global batch (all of them in one process).
-    self._local = distributed.local_positions(devices)
+    self._local = setup.local_positions(devices)
     batches = list(train_batches)  # one iterator per device (none: a runtime that never trains)
     self._train_batches = [batches[i] for i in self._local] if batches else []
     self._example_batch = example_batch
-    self.params = distributed.put(params, self._replicated)
-    self.state = distributed.put(state, self._replicated)
+    self.params = setup.put(params, self._replicated)
+    self.state = setup.put(state, self._replicated)
     self.opt_state = jax.jit(tx.init, out_shardings=self._replicated)(self.params)
-    self._key = distributed.put(jax.random.key(seed), self._replicated)
+    self._key = setup.put(jax.random.key(seed), self._replicated)
     self._skip_nonfinite = nonfinite_policy == "skip"
     # Per-replica statistics only change something where there is BatchNorm state.
     per_replica = batch_norm == "replica" and bool(jax.tree.leaves(state))
@@ -140,7 +141,7 @@ class DDPRuntime:
     example = self._example_batch
     args = self._shard(np.concatenate([example.inputs] * len(self._local)),
                        np.concatenate([example.targets] * len(self._local)))
-    iteration = distributed.put(np.int32(0), self._replicated)
+    iteration = setup.put(np.int32(0), self._replicated)
     avals = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
         (self.params, self.state, self.opt_state),
@@ -150,7 +151,7 @@ class DDPRuntime:
     self._clock.compile()
     # Every process here before the first step's all-reduce: gloo forms its context then and
     # gives up after 30 s, less than a loaded host's compilation may differ by.
-    distributed.all_gather_json(None)
+    gathers.all_gather_json(None)
 
   def _check(self, step: int, loss: jax.Array, finite: jax.Array) -> None:
     """Reads one step's loss and gradient flags: records, skips or raises NonFiniteError."""
@@ -172,7 +173,7 @@ class DDPRuntime:
     while self.iterations_done() < iterations and not should_stop():
       drive(self._clock.start_iteration())
       inputs, targets = self._global_batch()
-      iteration = distributed.put(np.int32(self._steps_done), self._replicated)
+      iteration = setup.put(np.int32(self._steps_done), self._replicated)
       self.params, self.state, self.opt_state, loss, finite = self._step(
           self.params, self.state, self.opt_state, inputs, targets, self._key, iteration
       )
@@ -228,10 +229,10 @@ class DDPRuntime:
                         self._arrays())
 
   def load_state_dict(self, arrays, meta) -> None:
-    arrays = distributed.put(arrays, self._replicated)
+    arrays = setup.put(arrays, self._replicated)
     self.params, self.state = arrays["params"], arrays["state"]
     self.opt_state = arrays["opt_state"]
-    self._key = distributed.put(jax.random.wrap_key_data(arrays["key"]), self._replicated)
+    self._key = setup.put(jax.random.wrap_key_data(arrays["key"]), self._replicated)
     self._steps_done, self.stats.skipped[0] = int(meta["steps_done"]), int(meta["skipped"])
     self.stats.losses[0] = list(meta["losses"])
     self._clock.set_state(meta["clock"])

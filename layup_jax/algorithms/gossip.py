@@ -18,7 +18,8 @@ is kept whatever local steps land meanwhile.
 
 import jax
 
-from layup_jax.exchange import Hooks
+from layup_jax.runtime.exchange import Hooks
+from layup_jax.runtime.warmup import compile_pair_average
 
 
 class GoSGD(Hooks):
@@ -60,5 +61,5 @@ class ADPSGD(Hooks):
     self.store.local_step(i, s, grads, step)
 
   def compile(self) -> None:
-    jax.block_until_ready(self.store.compile_pair_average())
+    jax.block_until_ready(compile_pair_average(self.store))
 

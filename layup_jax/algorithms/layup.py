@@ -24,7 +24,7 @@ import dataclasses
 
 import jax
 
-from layup_jax.exchange import Hooks
+from layup_jax.runtime.exchange import Hooks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,15 +72,17 @@ import ml_collections
 import numpy as np
 import optax
 
-from layup_jax import collectives, optim, traffic
+from layup_jax import optim
+from layup_jax.algorithms import collectives
 from layup_jax.algorithms.base import asynchronous_runtime
+from layup_jax.checkpoint.layout import device_arrays_like
 from layup_jax.data import Dataset, TrainStreams
 from layup_jax.errors import ConfigError
-from layup_jax.exchange import Hooks, Links
-from layup_jax.replicas import device_arrays_like
-from layup_jax.runtime import AsyncRuntime
-from layup_jax.scheduler import Task, Until
-from layup_jax.stages import StagedModel
+from layup_jax.models.staged import StagedModel
+from layup_jax.multiprocess import traffic
+from layup_jax.runtime.engine import AsyncRuntime
+from layup_jax.runtime.exchange import Hooks, Links
+from layup_jax.runtime.scheduler import Task, Until
 
 PyTree = Any
 

@@ -11,6 +11,8 @@
 | `wikitext103` | TFDS `huggingface:wikitext/wikitext-103-raw-v1` | train / test | same |
 | `minipile` | TFDS `huggingface:jeankaddour__minipile` | train / test | same |
 | `text_files` | files under `text_dir` matching `text_glob` | last `test_fraction` of files | same |
+
+Imports `errors` only (and the libraries that read data): every other package may import it.
 """
 
 import dataclasses

@@ -1,4 +1,10 @@
-"""Models by name: each builder turns `config.model` into a StagedModel."""
+"""Models by name: each builder turns `config.model` into a `StagedModel`.
+
+Owns: the staged-model API users build their own models with (`staged`: `StagedModel`, `Tie`,
+`group_stages`), the ResNets (`resnet`), GPT-2 (`gpt2`, and its Hugging Face weight import
+`gpt2_import`) and the LSTM (`lstm`). Imports Flax and jax only: every other package may import
+it. `python -m layup_jax.models` prints each model's stages.
+"""
 
 import dataclasses
 from collections.abc import Callable
@@ -8,7 +14,7 @@ import ml_collections
 import numpy as np
 
 from layup_jax.models import gpt2, gpt2_import, lstm, resnet
-from layup_jax.stages import StagedModel, group_stages
+from layup_jax.models.staged import StagedModel, group_stages
 
 GRANULARITIES = ("per_block", "per_layer")
 VARIANTS = ("cifar", "imagenet")

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from layup_jax.stages import StagedModel, Tie
+from layup_jax.models.staged import StagedModel, Tie
 
 
 @dataclasses.dataclass(frozen=True)

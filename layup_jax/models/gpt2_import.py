@@ -14,7 +14,7 @@ import pathlib
 import jax
 import numpy as np
 
-from layup_jax.stages import StagedModel
+from layup_jax.models.staged import StagedModel
 
 _RENAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "lm_head.weight")

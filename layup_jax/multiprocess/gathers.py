@@ -1,0 +1,109 @@
+"""Gathers of host values across processes through the coordination service's key-value store
+(no device collective): every process calls them in the same order; in an elastic run they
+gather the live processes only (`membership.members`)."""
+
+import contextlib
+import json
+import pickle
+import time
+
+import jax
+
+from layup_jax.multiprocess import membership
+from layup_jax.multiprocess.membership import ProcessLostError, try_get
+from layup_jax.multiprocess.setup import local_positions
+from layup_jax.platform import compat
+
+# How long a gather waits for another process's value when no watchdog guards the run. Under a
+# watchdog a gather waits as long as the writer lives (the watchdog ends or fences off a silent
+# one): a loaded host's compilation before the first gather can take minutes longer on one
+# process than on another (found: a two-process test failed at a fixed 2-minute wait).
+GATHER_TIMEOUT_S = 120.0
+_GATHER_POLL_MS = 2000
+_pickled_keys: list[str] = []  # this process's keys of its recent `all_gather_pickled` calls
+
+
+def await_value(client, key: str, writer: int) -> bytes:
+  """The store's value of `key`, which process `writer` writes, waiting as long as the writer
+  may still write it: while a watchdog guards the run (`membership.members.watched`), until the writer says
+  it is done (it ended, or failed on its own, without writing it) or is declared lost; without
+  one, at most `GATHER_TIMEOUT_S`."""
+  deadline = None if membership.members.watched else time.monotonic() + GATHER_TIMEOUT_S
+  while True:
+    try:
+      return client.blocking_key_value_get_bytes(key, _GATHER_POLL_MS)
+    except Exception as error:  # DEADLINE_EXCEEDED: not yet written
+      if "DEADLINE_EXCEEDED" not in str(error):
+        raise
+    if membership.members.is_lost(writer):
+      raise ProcessLostError(writer)
+    if try_get(client, f"layup_jax/done/{writer}") is not None:
+      raise RuntimeError(f"process {writer} ended without writing {key} (see its own output)")
+    if deadline is not None and time.monotonic() > deadline:
+      raise TimeoutError(f"process {writer} did not write {key} within {GATHER_TIMEOUT_S:g} s")
+
+
+def _read_gather(client, prefix: str, mine: bytes) -> list[bytes]:
+  """The values gather `prefix` holds, in process order: every process's, or in an elastic run
+  those of the processes process 0 names (every live process that wrote its value; one lost
+  before writing it is left out), so that every survivor reads the same set. This process's
+  own is `mine`, not read back: on another host than the store's, it would cross the link
+  again (an evaluation's model)."""
+  me = jax.process_index()
+  read = lambda k: mine if k == me else await_value(client, f"{prefix}/{k}", k)
+  if not membership.members.elastic:
+    return [read(k) for k in range(jax.process_count())]
+  if me != 0:
+    names = json.loads(await_value(client, f"{prefix}/members", 0).decode())
+    return [read(k) for k in names]
+  values: dict[int, bytes] = {}
+  for k in range(jax.process_count()):
+    if membership.members.is_lost(k):
+      continue
+    with contextlib.suppress(ProcessLostError):  # lost before writing it: left out
+      values[k] = read(k)
+  client.key_value_set(f"{prefix}/members", json.dumps(sorted(values)))
+  return [values[k] for k in sorted(values)]
+
+
+def all_gather_json(value) -> list:
+  """Every process's `value` (JSON-serializable), in process order, through the coordination
+  service's key-value store (no device collective); every process must call it, in the same
+  order. In an elastic run, the live processes' values only (`members`)."""
+  if jax.process_count() == 1:
+    return [value]
+  client = compat.coordination_client()
+  prefix = membership.gather_order.prefix()
+  mine = json.dumps(value).encode()
+  client.key_value_set_bytes(f"{prefix}/{jax.process_index()}", mine)
+  return [json.loads(part) for part in _read_gather(client, prefix, mine)]
+
+
+def all_gather_pickled(value) -> list:
+  """`all_gather_json` for any picklable value (host arrays: a run's replicas at an
+  evaluation), as bytes through the same store; the processes of one run trust each other."""
+  if jax.process_count() == 1:
+    return [value]
+  client = compat.coordination_client()
+  prefix = membership.gather_order.prefix()
+  mine, pickled = f"{prefix}/{jax.process_index()}", pickle.dumps(value)
+  client.key_value_set_bytes(mine, pickled)
+  parts = [pickle.loads(part) for part in _read_gather(client, prefix, pickled)]
+  # Our key of two gathers ago has been read by all: each process wrote its key of the last
+  # gather only after reading every key of the one before, and we have read those.
+  _pickled_keys.append(mine)
+  if len(_pickled_keys) > 2:
+    client.key_value_delete(_pickled_keys.pop(0))
+  return parts
+
+
+def data_states(iterators, devices, processes=None) -> list:
+  """Every device's train-iterator state, in device order, each read by the process that feeds
+  the device (the others' copies of an iterator never advance); with `processes` (an elastic
+  run's checkpoint after a loss), their devices' only."""
+  mine = {str(i): iterators[i].get_state() for i in local_positions(devices)}
+  merged = {}
+  for part in all_gather_json(mine):
+    merged.update(part)
+  return [merged[str(i)] for i, device in enumerate(devices)
+          if processes is None or device.process_index in processes]

@@ -1,0 +1,191 @@
+"""Which processes of a run are lost, which rejoin, and the order of the run's gathers: the
+state every process keeps about the others, read from the coordination service's key-value
+store (an elastic gossip run, docs/guide/elastic.md)."""
+
+import json
+import sys
+import threading
+import time
+
+import jax
+
+from layup_jax.errors import RejoinError
+from layup_jax.platform import compat
+
+
+def try_get(client, key: str) -> str | None:
+  """The store's value of `key`, or None while it is not written (anything else is raised)."""
+  try:
+    return client.key_value_try_get(key)
+  except Exception as error:  # NOT_FOUND: not written yet
+    if "NOT_FOUND" in str(error):
+      return None
+    raise
+
+
+def run_finished() -> bool:
+  """Whether process 0 has said it is done (`Watchdog.finish`)."""
+  return try_get(compat.coordination_client(), "layup_jax/done/0") is not None
+
+
+class ProcessLostError(RuntimeError):
+  """A wait (a gather, a pull) on a process that was declared lost meanwhile."""
+
+  def __init__(self, process: int):
+    super().__init__(f"process {process} was declared lost")
+    self.process = process
+
+
+class GatherOrder:
+  """Every process gathers in the same order, so the n-th gather of one process meets the
+  others' n-th under one key directory. A restarted process takes the live processes' `next`
+  from its admission (gathers run on the main thread)."""
+
+  def __init__(self):
+    self.next = 0
+
+  def prefix(self) -> str:
+    """The key directory of this process's next gather."""
+    self.next += 1
+    return f"layup_jax/gather/{self.next - 1}"
+
+
+gather_order = GatherOrder()
+
+
+class Membership:
+  """Which processes of the run are lost (an elastic gossip run goes on without them), and
+  which of them rejoin.
+
+  Process 0, which hosts the coordination service, is the one authority: its watchdog declares
+  a silent process lost (`declare`, a key `layup_jax/lost/<k>` holding the step), every
+  process's watchdog reads those keys (`refresh`) and calls its listeners once per lost
+  process. A gather between processes then takes the live ones only, with process 0 naming
+  each gather's members, so that every survivor reads the same set even when a process dies
+  mid-gather.
+
+  A lost process started again with its id (`rejoining`) asks to rejoin (`await_admission`);
+  at the run's next consistent point process 0 admits it (`joining`, `clear`, `admit`: the
+  step and the gather it joins at), and every live process calls its listeners' `on_rejoined`
+  (`rejoined`)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.elastic = False  # set by the watchdog of a gossip run across processes
+    self.watched = False  # a watchdog guards the run's processes (set while it runs)
+    self.lost: dict[int, int] = {}  # process -> the step at which it was declared lost
+    self._listeners: list = []
+    self._rejoin_listeners: list = []
+    self.step = 0  # the run's step as this process last saw it (the runner's progress)
+    # How long a thread that lost contact with a process waits for it to be declared lost
+    # before it fails (set by the watchdog of an elastic run).
+    self.grace_s = 0.0
+    # This process was started again after being declared lost, and is not admitted yet.
+    self.rejoining = False
+
+  def await_loss(self, process: int) -> bool:
+    """Whether `process` is declared lost within `grace_s` (a pull from it just failed)."""
+    deadline = time.monotonic() + self.grace_s
+    while not self.is_lost(process) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    return self.is_lost(process)
+
+  def listen(self, on_lost, on_rejoined=None) -> None:
+    """Calls `on_lost(process, step)` for each process found lost from now on (and those
+    already found), and `on_rejoined(process)` for each admitted back."""
+    with self._lock:
+      self._listeners.append(on_lost)
+      if on_rejoined is not None:
+        self._rejoin_listeners.append(on_rejoined)
+      known = dict(self.lost)
+    for process, step in known.items():
+      on_lost(process, step)
+
+  def live(self) -> list[int]:
+    with self._lock:
+      return [k for k in range(jax.process_count()) if k not in self.lost]
+
+  def is_lost(self, process: int) -> bool:
+    with self._lock:
+      return process in self.lost
+
+  def declare(self, client, process: int, step: int) -> None:
+    """Process 0: `process` is lost at `step` (then every process learns it by `refresh`)."""
+    client.key_value_set(f"layup_jax/lost/{process}", str(step), allow_overwrite=True)
+    self.refresh(client)
+
+  def refresh(self, client) -> list[tuple[int, int]]:
+    """Reads the lost keys; calls the listeners for each process newly found lost. The read
+    is under the lock: a process admitted meanwhile (its key cleared first, `clear`) is never
+    found lost again from a read made before."""
+    with self._lock:
+      found = [(int(key.rsplit("/", 1)[1]), int(value))
+               for key, value in client.key_value_dir_get("layup_jax/lost/")]
+      new = [(k, step) for k, step in found if k not in self.lost]
+      self.lost.update(new)
+      listeners = list(self._listeners)
+    for process, step in new:
+      for on_lost in listeners:
+        on_lost(process, step)
+    return new
+
+  # --- rejoining ------------------------------------------------------------------------------
+
+  def joining(self) -> list[int]:
+    """Process 0, at a consistent point: the lost process that asked to rejoin first, if any
+    (one per consistent point)."""
+    client = compat.coordination_client()
+    asked = sorted(int(key.rsplit("/", 1)[1])
+                   for key, _ in client.key_value_dir_get("layup_jax/join/"))
+    return [k for k in asked if self.is_lost(k)][:1]
+
+  @staticmethod
+  def clear(process: int) -> None:
+    """Process 0, before telling the others: `process` is no longer declared lost."""
+    client = compat.coordination_client()
+    for kind in ("lost", "join", "joining"):
+      client.key_value_delete(f"layup_jax/{kind}/{process}")
+
+  def admit(self, process: int, step: int) -> None:
+    """Process 0, right after the gather that told every live process: `process` joins at
+    `step`, its next gather being the live processes' next."""
+    with self._lock:
+      lost = [[k, s] for k, s in self.lost.items() if k != process]
+    admission = {"step": step, "gather": gather_order.next, "lost": lost}
+    compat.coordination_client().key_value_set(f"layup_jax/admit/{process}",
+                                               json.dumps(admission), allow_overwrite=True)
+
+  def rejoined(self, process: int) -> None:
+    """Every live process: `process` is admitted back (its listeners' `on_rejoined`)."""
+    with self._lock:
+      self.lost.pop(process, None)
+      listeners = list(self._rejoin_listeners)
+    for on_rejoined in listeners:
+      on_rejoined(process)
+
+  def await_admission(self) -> dict:
+    """The restarted process: asks to rejoin and waits until process 0 admits it at a
+    consistent point; then gathers with the others. Returns the admission (`step`, and the
+    processes still `lost`); raises if the run ends first."""
+    me, client = jax.process_index(), compat.coordination_client()
+    client.key_value_set(f"layup_jax/join/{me}", "1", allow_overwrite=True)
+    print(f"process {me} is ready and asks to rejoin at the run's next evaluation or "
+          f"checkpoint step", file=sys.stderr, flush=True)
+    while True:
+      try:
+        admission = json.loads(client.blocking_key_value_get(f"layup_jax/admit/{me}", 1000))
+        break
+      except Exception as error:  # DEADLINE_EXCEEDED: not admitted yet
+        if "DEADLINE_EXCEEDED" not in str(error):
+          raise
+        if run_finished():
+          raise RejoinError(f"process {me} was not admitted back: the run ended first")
+    client.key_value_delete(f"layup_jax/admit/{me}")
+    gather_order.next = admission["gather"]
+    with self._lock:
+      self.lost = {k: step for k, step in admission["lost"]}
+      self.rejoining = False
+    return admission
+
+
+members = Membership()

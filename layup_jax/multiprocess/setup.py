@@ -1,0 +1,144 @@
+"""Several processes (hosts, or GPUs of one host) as one run, on JAX's own distributed runtime.
+
+`initialize(config.distributed)` calls `jax.distributed.initialize` with the config's keys; it
+must run before anything touches a JAX backend (`jax.devices()`, a `device_put`, a jit), so the
+command line calls it first. After it, `jax.devices()` lists every process's devices, ordered by
+process (process 0's first), and `config.num_devices` counts them all.
+
+A run's devices are `jax.devices()[:num_devices]`; a device's *position* in that list is its
+global index (device ids are not positions: on CPU, process 1's ids start at 2048). Each process
+feeds only its own devices (`local_positions`), and only process 0 writes records
+(`is_primary`). Checkpoints are one Orbax checkpoint of the whole run, written by every process
+together into the workdir, which must be on a filesystem every process sees; a stop request
+(SIGTERM, Ctrl-C) takes effect at the next evaluation or checkpoint, where the processes agree
+on it. Every algorithm runs across processes: DDP; LayUp, GoSGD and AD-PSGD, their sends and
+pairwise averages with other processes' devices through layup_jax/crossprocess.py; the periodic
+baselines, their average an all-reduce over every process's devices (layup_jax/collectives.py).
+In the gossip and periodic algorithms' checkpoints each process writes its own devices'
+replicas (rows of arrays sharded over the run's devices, `checkpointing.DeviceRows`) and
+process 0 the state every process holds the same, with the metadata gathered from all
+(layup_jax/runtime_state.py).
+"""
+
+import dataclasses
+
+import jax
+import ml_collections
+import numpy as np
+
+from layup_jax.errors import ConfigError
+
+AUTO = "auto"  # distributed.coordinator_address: JAX's cluster auto-detection (SLURM, ...)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What `jax.distributed.initialize` is given; `None` fields are left to JAX to detect."""
+
+  coordinator_address: str | None
+  num_processes: int | None
+  process_id: int | None
+  heartbeat_timeout_s: int
+
+
+def settings(config: ml_collections.ConfigDict) -> Settings | None:
+  """The initialize arguments of `config.distributed`, or None for a single-process run; a bad
+  combination raises ConfigError (one line)."""
+  address = config.coordinator_address
+  if not address:
+    if config.num_processes > 1 or config.process_id >= 0:
+      raise ConfigError("config.distributed.num_processes/process_id need "
+                        "config.distributed.coordinator_address (host:port of process 0)")
+    return None
+  if address == AUTO:
+    return Settings(None, None, None, config.heartbeat_timeout_s)
+  if ":" not in address:
+    raise ConfigError(f"config.distributed.coordinator_address={address!r}: host:port of "
+                      f"process 0 (for example 127.0.0.1:12355), or {AUTO!r}")
+  if config.num_processes < 1 or not 0 <= config.process_id < config.num_processes:
+    raise ConfigError(
+        f"config.distributed: process_id={config.process_id} must be in [0, num_processes="
+        f"{config.num_processes}) when the coordinator address is given")
+  return Settings(address, config.num_processes, config.process_id, config.heartbeat_timeout_s)
+
+
+def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> bool:
+  """Joins the distributed run `config` describes (before any backend use); False when the run
+  is a single process. Idempotent. `recoverable` (gossip runs): JAX's runtime lets the other
+  processes go on when one dies, and lets it join again (`jax_enable_recoverability`;
+  docs/elastic.md), where by default every process is aborted."""
+  chosen = settings(config)
+  if chosen is None:
+    return False
+  if jax.distributed.is_initialized():
+    return True
+  if recoverable:
+    jax.config.update("jax_enable_recoverability", True)
+  jax.distributed.initialize(
+      coordinator_address=chosen.coordinator_address,
+      num_processes=chosen.num_processes,
+      process_id=chosen.process_id,
+      # JAX's own detection, later than `Watchdog`'s, so that ours names the process first, and
+      # never under a minute: a process JAX's service finds silent is aborted (SIGABRT, no
+      # message of ours), and on a loaded host its heartbeat thread can miss a few seconds.
+      heartbeat_timeout_seconds=max(3 * chosen.heartbeat_timeout_s, 60),
+  )
+  return True
+
+
+def is_primary() -> bool:
+  """Whether this process writes the run's records (metrics, summary, plots): process 0."""
+  return jax.process_index() == 0
+
+
+def local_positions(devices) -> list[int]:
+  """Positions in `devices` of the devices this process drives."""
+  me = jax.process_index()
+  return [i for i, d in enumerate(devices) if d.process_index == me]
+
+
+def local_block(devices) -> range:
+  """Positions in `devices` of the devices this process drives, which must be consecutive (the
+  asynchronous runtime's indices are offsets from the first)."""
+  positions = local_positions(devices)
+  block = range(positions[0], positions[0] + len(positions))
+  if positions != list(block):
+    raise ConfigError(f"this process's devices are not consecutive in the run: {positions}")
+  return block
+
+
+def check_supported(config: ml_collections.ConfigDict, gossip: bool) -> None:
+  """Refuses, in one line, what a multi-process run cannot do yet, and distributed keys that a
+  process not started through `initialize` would silently ignore. `gossip`: the algorithm
+  sends stages to random peers with push-sum weights (its registry trait)."""
+  if jax.process_count() == 1:
+    if settings(config.distributed) is not None:
+      raise ConfigError("config.distributed.coordinator_address is set, but this process did not "
+                        "join a distributed run: start it with python -m layup_jax.train (or "
+                        "call layup_jax.distributed.initialize before any JAX use)")
+    return
+  if config.num_devices != len(jax.devices()):
+    raise ConfigError(f"config.num_devices={config.num_devices}: a multi-process run trains on "
+                      f"every process's devices, {len(jax.devices())} here")
+  if config.straggler.device >= 0:
+    raise ConfigError("config.straggler.device: no straggler injection across processes yet")
+  if gossip and config.layup.push_sum != "per_stage":
+    raise ConfigError("config.layup.push_sum: across processes only per_stage push-sum runs "
+                      "(a per-model weight would have to follow the last stage to the peer)")
+
+
+def put(tree, sharding: jax.sharding.Sharding):
+  """`jax.device_put(tree, sharding)` for a sharding that may span other processes' devices: every
+  process passes the same host values (numpy, or arrays it can read) and places its own part.
+  PRNG key arrays keep their type."""
+  if sharding.is_fully_addressable:
+    return jax.device_put(tree, sharding)
+
+  def place(leaf):
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(place(jax.random.key_data(leaf)),
+                                      impl=jax.random.key_impl(leaf))
+    value = np.asarray(leaf)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+  return jax.tree.map(place, tree)

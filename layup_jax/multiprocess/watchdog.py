@@ -1,0 +1,168 @@
+"""The heartbeat watchdog: ends a process in one line when another stops answering, or, in an
+elastic gossip run, has process 0 declare it lost so that the others train on."""
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+import jax
+
+from layup_jax.multiprocess import membership
+from layup_jax.multiprocess.membership import run_finished, try_get
+from layup_jax.platform import compat
+
+_FAREWELL_S = 120.0  # how long process 0 of an elastic run waits for the others at the end
+_FAREWELL_GRACE_S = 1.0  # and then, for their last word to the service
+
+
+class Watchdog:
+  """Ends this process with one line when another process of the run stops answering, or, in
+  an elastic run (gossip), has process 0 declare it lost and trains on without it.
+
+  Each process's watchdog thread writes a counter to the coordination service's key-value
+  store every second and reads the others'. A process whose counter has not moved for
+  `timeout_s` (it died, or lost the coordinator; one waiting in a collective still answers,
+  the watchdog being a thread of its own) is named, and this process exits with status 4 at
+  once: a collective with a dead peer would otherwise wait, and JAX's own heartbeat, set
+  longer, would abort the process without saying which one. A process that finished says so
+  and is not waited for. Losing the coordinator (process 0) is reported the same way.
+
+  `elastic`: a silent process other than 0 is not fatal: process 0 declares it lost
+  (`Membership`) and says so in one line; every process reads the declarations each period.
+  """
+
+  EXIT_STATUS = 4
+
+  def __init__(self, timeout_s: float, period_s: float = 1.0, elastic: bool = False):
+    self._client = compat.coordination_client()
+    self._me, self._count = jax.process_index(), jax.process_count()
+    self._timeout_s, self._period_s = timeout_s, period_s
+    self._elastic = membership.members.elastic = elastic
+    membership.members.watched = True
+    if elastic:  # a never-seen process is given 3x the timeout, then process 0 declares it
+      membership.members.grace_s = 3 * timeout_s + 2 * period_s
+    if elastic and self._me == 0:
+      print("elastic gossip: a lost process other than 0 is left behind and the others train "
+            "on (the same command started again for it rejoins); process 0 hosts the run's "
+            "coordination service, so its loss stops every process (rerun to resume from the "
+            "last checkpoint)", file=sys.stderr, flush=True)
+    if elastic and self._me != 0 and self._exists(self._key("alive", self._me)):
+      self._await_declared_lost()
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+    self._thread.start()
+
+  def _key(self, kind: str, k: int) -> str:
+    return f"layup_jax/{kind}/{k}"
+
+  def _await_declared_lost(self) -> None:
+    """This process was started again into a running run (its earlier self's heartbeat is in
+    the store): it stays silent until process 0 has declared that one lost, then rejoins
+    (`Membership.await_admission`, from the runtime)."""
+    print(f"process {self._me} started again into its running run: it rejoins once process 0 "
+          f"has declared its earlier run lost (within {3 * self._timeout_s:g} s)",
+          file=sys.stderr, flush=True)
+    # Process 0 waits for a process that is rejoining before it ends the run (`finish`).
+    self._client.key_value_set(self._key("joining", self._me), "1", allow_overwrite=True)
+    while self._value(self._key("lost", self._me)) is None:
+      if run_finished():
+        self._leave_unadmitted()
+      time.sleep(self._period_s / 2)
+    membership.members.rejoining = True
+
+
+  def _watch(self) -> None:
+    beat = 0
+    seen = {k: (None, time.monotonic()) for k in range(self._count)}  # counter, when it moved
+    while not self._stop.wait(self._period_s):
+      now = time.monotonic()
+      try:
+        beat += 1
+        self._client.key_value_set(self._key("alive", self._me), str(beat), allow_overwrite=True)
+        if self._elastic:
+          membership.members.refresh(self._client)
+          if membership.members.rejoining and run_finished():
+            self._leave_unadmitted()
+          if membership.members.is_lost(self._me) and not membership.members.rejoining:  # silent too long: fenced off
+            self._die(f"process 0 declared this process lost at step {membership.members.lost[self._me]} "
+                      f"(silent for more than {self._timeout_s:g} s)",
+                      "The others train on without it")
+        for k in range(self._count):
+          if membership.members.is_lost(k):  # and if it rejoins, its heartbeat is timed afresh
+            seen[k] = (None, now)
+            continue
+          if k == self._me or self._exists(self._key("done", k)):
+            continue
+          value = self._value(self._key("alive", k))
+          if value is not None and value != seen[k][0]:
+            seen[k] = (value, now)
+          # A process not seen yet may still be starting (a loaded host): 3x the time.
+          limit = self._timeout_s * (1 if seen[k][0] is not None else 3)
+          if now - seen[k][1] > limit:
+            self._silent(k)
+      except Exception as error:  # noqa: BLE001 - the coordination service itself is gone
+        if self._stop.is_set():
+          return
+        self._die(f"lost the run's coordinator, process 0 ({type(error).__name__}: "
+                  f"{(str(error).splitlines() or [''])[0][:160]})")
+
+  def _silent(self, k: int) -> None:
+    """Process k has not answered for `timeout_s`."""
+    if not self._elastic or k == 0:
+      self._die(f"process {k} of the run stopped answering for {self._timeout_s:g} s "
+                f"(it died, or lost the coordinator)")
+    if self._me != 0:
+      return  # process 0 decides (and says so); its own silence is fatal here
+    step = membership.members.step
+    membership.members.declare(self._client, k, step)
+    live = set(membership.members.live())
+    devices = sum(1 for d in jax.devices() if d.process_index in live)
+    print(f"process {k} lost at step {step}; {devices} devices train on", file=sys.stderr,
+          flush=True)
+
+  def _leave_unadmitted(self) -> None:
+    """A process that was rejoining finds the run ended: it says so and lets process 0 go."""
+    self._client.key_value_set(self._key("done", self._me), "1", allow_overwrite=True)
+    self._die("the run ended before this process could rejoin it", "Nothing to do")
+
+  def _value(self, key: str) -> str | None:
+    return try_get(self._client, key)
+
+  def _exists(self, key: str) -> bool:
+    return self._value(key) is not None
+
+  def _die(self, why: str, then: str = "Rerun the same command on every process to resume "
+                                        "from the last checkpoint") -> None:
+    print(f"error: {why}; process {self._me} stops. {then}", file=sys.stderr, flush=True)
+    os._exit(self.EXIT_STATUS)
+
+  def finish(self) -> None:
+    """This process is done (or failed on its own): the others stop waiting for it.
+
+    In an elastic run JAX keeps no shutdown barrier (recoverability), so process 0, which
+    hosts the coordination service, would leave while another process still uses it, and
+    that one's client aborts it (found: the last process of a finished run ended by SIGABRT).
+    So the others leave JAX's runtime right after saying they are done, and process 0 waits
+    for every live or rejoining process's word (at most `_FAREWELL_S`) and a moment more."""
+    self._stop.set()
+    self._thread.join(timeout=5)
+    membership.members.watched = False
+    with contextlib.suppress(Exception):  # the service may be gone already: nothing to tell
+      self._client.key_value_set(self._key("done", self._me), "1", allow_overwrite=True)
+    if not self._elastic:
+      return
+    if self._me != 0:
+      with contextlib.suppress(Exception):
+        jax.distributed.shutdown()
+      return
+    deadline = time.monotonic() + _FAREWELL_S
+    with contextlib.suppress(Exception):
+      while time.monotonic() < deadline and not all(
+          self._exists(self._key("done", k))
+          or membership.members.is_lost(k) and not self._exists(self._key("joining", k))
+          for k in range(self._count)):
+        membership.members.refresh(self._client)
+        time.sleep(0.1)
+    time.sleep(_FAREWELL_GRACE_S)
