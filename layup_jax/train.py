@@ -20,6 +20,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from configs.base import RENAMED
 from layup_jax.errors import RejoinError, UserError
 from layup_jax.platform import allocator
 
@@ -54,6 +55,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     detail = " ".join(str(error).replace("\\n", " ").replace("\\'", "").strip("'\"").split())
     overrides = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]
     key = next((o for o in overrides if o.rsplit(".", 1)[-1] in detail), None)
+    moved = RENAMED.get((key or "").removeprefix("config."))
+    if isinstance(error, (AttributeError, KeyError)) and moved:
+      _fail(f"config key {key} is now config.{moved} (--config.{moved}=...)")
     if isinstance(error, (AttributeError, KeyError)) and key:
       hint = detail.split("?")[0].split("Did you mean")[-1] if "Did you mean" in detail else ""
       suggestion = f" (did you mean{hint}?)" if hint else ""
@@ -93,7 +97,7 @@ def main(argv: list[str]) -> None:
   except OSError as error:
     _fail_config_file(error)
   try:
-    note = allocator.use(config.host_allocator)  # may start this command again, under it
+    note = allocator.use(config.tuning.host_allocator)  # may start this command again, under it
   except ValueError as error:
     _fail(str(error))
   # Imported only now: a command started again under another allocator imports jax once.

@@ -3,7 +3,7 @@
 `use(choice)` starts the calling script again under `choice` (`layup_jax.allocator.use`, what
 `python -m layup_jax.train` does with `host_allocator`) unless it already runs under it, and
 returns the allocator in use, for the benchmark's JSON. An older checkout measured with this
-tree's scripts (`scripts/bench_gpu.sh BEFORE`) has no `layup_jax.allocator`: the script then
+tree's scripts (`scripts/bench_gpu.sh BEFORE`) has no `layup_jax.platform.allocator`: the script then
 runs as it was started, and the allocator it reports is read from the libraries it mapped.
 """
 
@@ -31,5 +31,5 @@ def use(choice: str) -> str:
 
 def add_option(parser) -> None:
   parser.add_argument("--allocator", default="auto", choices=CHOICES,
-                      help="the host's malloc (config.host_allocator): the script starts again "
-                           "under it (layup_jax/allocator.py)")
+                      help="the host's malloc (config.tuning.host_allocator): the script starts again "
+                           "under it (layup_jax/platform/allocator.py)")

@@ -3,7 +3,7 @@
 Each repeat runs every (algorithm, variant) x layout x rate once, in that order (alternated, so
 that a machine's drift falls on all of them alike); the table gives medians over repeats of the
 training time, samples per second and final accuracy from `summary.json`, the bytes the run
-counted between processes per device-iteration (layup_jax/traffic.py: gossip's sends as made,
+counted between processes per device-iteration (layup_jax/multiprocess/traffic.py: gossip's sends as made,
 a collective's bandwidth-optimal share) and the bytes the hosts' links carried per
 device-iteration (the interfaces' counters: everything, collectives as gloo runs them, the
 coordination service, evaluation's gathers), and the median send latency between processes.

@@ -9,7 +9,7 @@
 #               that machine's CPU cores (8 fake CPU devices: the host's dispatch cost where the
 #               cores are not shared with the device work, as they are on a 2-core machine); this
 #               tree with and without the updater thread, its two threads pinned to one core (what
-#               `layup.pin_host_threads="auto"` does on a GPU node), then the updater thread again
+#               `tuning.pin_host_threads="auto"` does on a GPU node), then the updater thread again
 #               as a second round; with PER_LAYER=1 also at per_layer granularity
 #   allocator   with ALLOCATOR=1: bench_host under the C library's malloc (`--allocator system`)
 #               between the two rounds under the default (TCMalloc where found; a copy carried as
@@ -20,10 +20,10 @@
 #   command buffers  with CMDBUF=1: the GPU client's bench_host and bench_step's ResNet-18 case
 #               under XLA's default command buffers, with graphs of any size
 #               (--xla_gpu_graph_min_graph_size=1) and with none (--xla_gpu_enable_command_buffer=)
-#   remat       with REMAT=1: bench_step's runtime with `layup.remat="none"` beside the default
+#   remat       with REMAT=1: bench_step's runtime with `tuning.remat="none"` beside the default
 #               ("dots") and the fused step, both cases (is the staged step's device time on the
 #               GPU the backward's recomputation?)
-#   chained     with CHAIN=1: `layup.chain_forwards` on and off, side by side: the GPU client's
+#   chained     with CHAIN=1: `tuning.chain_forwards` on and off, side by side: the GPU client's
 #               bench_host (one device) and on 8 fake CPU devices, and bench_step's side
 #               `chained` beside the runtime and the fused step (ResNet-18 b128, GPT-2 124M)
 #   DEFAULTS=0  leaves out bench_step and bench_host above (the device tool brings back 8 files:

@@ -2,9 +2,9 @@
 
 On a GPU a device-iteration of LayUp costs the host what it takes to dispatch it: the stage
 programs, the updates, the copies to peers and the merges, from the runtime's dispatcher and
-updater threads (layup_jax/runtime.py; `--updater-thread off` runs the updater's tasks on the
+updater threads (layup_jax/runtime/engine.py; `--updater-thread off` runs the updater's tasks on the
 dispatcher's thread; `--granularity per_layer` the models' finer stages; `--pin-threads on`
-the two threads on one CPU, `layup.pin_host_threads`). Here the paper's model *structures*
+the two threads on one CPU, `tuning.pin_host_threads`). Here the paper's model *structures*
 (their stage counts and the kinds of stage) are shrunk until the device's own work
 is negligible (widths 2, batch 2, 8x8 images or 4 tokens; the `fused_step_ms` column is one
 device's whole jitted training step on the same model, an upper bound on its device time), so
@@ -47,8 +47,8 @@ thread XLA started later on the dispatching side would show.
 `--stages-per-group` runs the model with consecutive stages grouped (`model.stages_per_group`):
 fewer, larger stages, so fewer programs, sends and merges per iteration. `--fuse-local-step on
 off` runs each algorithm with and without the local step in the backward's program
-(`layup.fuse_local_step`), one row after the other; `--chain-forwards on off` with an
-iteration's forwards as one program and stage by stage (`layup.chain_forwards`). `--allocator
+(`tuning.fuse_local_step`), one row after the other; `--chain-forwards on off` with an
+iteration's forwards as one program and stage by stage (`tuning.chain_forwards`). `--allocator
 system` runs the script under the C library's malloc; the default, `auto`, starts it again
 under TCMalloc or jemalloc where one is installed, as `python -m layup_jax.train` does
 (`host_allocator`, docs/host.md).
@@ -132,13 +132,13 @@ def bench_config(algorithm: str, num_devices: int, fuse: bool = True,
                  updater_thread: bool = True, pin: str = "off", chain: bool = False):
   config = base.get_config()
   config.algorithm, config.num_devices = algorithm, num_devices
-  config.layup.fuse_local_step = fuse
+  config.tuning.fuse_local_step = fuse
   if "updater_thread" in config.layup:  # (an earlier runtime, benchmarked side by side, has none)
-    config.layup.updater_thread = updater_thread
+    config.tuning.updater_thread = updater_thread
   if "pin_host_threads" in config.layup:
-    config.layup.pin_host_threads = pin
+    config.tuning.pin_host_threads = pin
   if "chain_forwards" in config.layup:
-    config.layup.chain_forwards = chain
+    config.tuning.chain_forwards = chain
   config.metrics.latency_every = 0
   config.baselines.tau = config.baselines.out_freq = 4
   config.faults.nonfinite = "skip"  # widths 2 can make a gradient non-finite; the run goes on
@@ -337,16 +337,16 @@ def main() -> None:
   parser.add_argument("--stages-per-group", type=int, nargs="+", default=[1],
                       help="model.stages_per_group values to run (1: the paper's stages)")
   parser.add_argument("--fuse-local-step", nargs="+", default=["on"], choices=["on", "off"],
-                      help="layup.fuse_local_step values to run, one row each (adjacent)")
+                      help="tuning.fuse_local_step values to run, one row each (adjacent)")
   parser.add_argument("--updater-thread", nargs="+", default=["on"], choices=["on", "off"],
-                      help="layup.updater_thread values to run, one row each (adjacent)")
+                      help="tuning.updater_thread values to run, one row each (adjacent)")
   parser.add_argument("--granularity", nargs="+", default=["per_block"],
                       choices=["per_block", "per_layer"],
                       help="model.granularity values to run, one row each (adjacent)")
   parser.add_argument("--pin-threads", nargs="+", default=["off"], choices=["on", "off"],
-                      help="layup.pin_host_threads values to run, one row each (adjacent)")
+                      help="tuning.pin_host_threads values to run, one row each (adjacent)")
   parser.add_argument("--chain-forwards", nargs="+", default=["off"], choices=["on", "off"],
-                      help="layup.chain_forwards values to run, one row each (adjacent)")
+                      help="tuning.chain_forwards values to run, one row each (adjacent)")
   parser.add_argument("--split-cores", action="store_true",
                       help="XLA's threads on the first CPU, the dispatching on the others")
   allocator_choice.add_option(parser)

@@ -8,7 +8,7 @@
               For each of `--gossip-cases`: the digits task, where a step's compute is small
               against a send's fixed costs, and ResNet-18 on CIFAR-shaped random batches of 32.
   ahead:      with `--ahead 1 2 4`, the digits task on `--num-devices` devices for each value of
-              `layup.max_dispatch_ahead` (how many iterations a compute thread may dispatch
+              `tuning.max_dispatch_ahead` (how many iterations a compute thread may dispatch
               before its device has produced the oldest one's loss): time per step, and the
               consensus test accuracy after the run's 70 steps (fresher parameters against
               more overlap).
@@ -56,7 +56,7 @@ def build(num_devices: int, gossip: bool = True, case: str = "digits", ahead: in
     return build_resnet18(num_devices, gossip)
   config = digits.get_config()
   config.num_devices, config.layup.gossip = num_devices, gossip
-  config.layup.max_dispatch_ahead = ahead
+  config.tuning.max_dispatch_ahead = ahead
   dataset = data.make_dataset(config.data, num_devices, config.seed)
   model = models.make_model(config.model)
   tx = optim.make_optimizer(config.optimizer, 10_000, dataset.steps_per_epoch)
@@ -100,7 +100,7 @@ def main() -> None:
                       help="one-device iterations per timed block")
   parser.add_argument("--gossip-cases", nargs="+", default=["digits"], choices=sorted(STEPS))
   parser.add_argument("--ahead", nargs="*", type=int, default=[],
-                      help="values of layup.max_dispatch_ahead to compare (digits)")
+                      help="values of tuning.max_dispatch_ahead to compare (digits)")
   parser.add_argument("--repeats", type=int, default=15, help="rounds of timed blocks")
   allocator_choice.add_option(parser)
   parser.add_argument("--out", default="bench_runtime.json")

@@ -4,19 +4,19 @@ Fused: one jitted `value_and_grad` + Optax step of the model, batch and optimize
 the loss every iteration. Staged, three ways, all on one device without a peer:
   runtime:  LayUp's threaded runtime (compute thread + updater thread), stages packed into one
             flat vector each (the default); iterations run back to back, as in training.
-  ahead2:   the runtime with `layup.max_dispatch_ahead=2`: the compute task dispatches the next
+  ahead2:   the runtime with `tuning.max_dispatch_ahead=2`: the compute task dispatches the next
             iteration before reading the last one's loss (the default, 1, reads it first).
-  noremat:  the runtime with `layup.remat="none"`: a stage's forward keeps every residual for
+  noremat:  the runtime with `tuning.remat="none"`: a stage's forward keeps every residual for
             its backward (the default, "dots", keeps the matrix products' and convolutions'
             outputs and recomputes the elementwise work; the fused step recomputes nothing)
-  chained:  the runtime with `layup.chain_forwards=True`: an iteration's forwards as one
+  chained:  the runtime with `tuning.chain_forwards=True`: an iteration's forwards as one
             program (the backwards, updates and sends stay per stage).
-  unfused:  the runtime with `layup.fuse_local_step=False`: the updater thread applies each
+  unfused:  the runtime with `tuning.fuse_local_step=False`: the updater thread applies each
             gradient in a program of its own instead of the backward's program applying it.
   serial:   the same per-stage functions dispatched from one thread (`iterate_serial`: forwards
             returning VJPs, VJPs in reverse, one Optax update per stage), waiting for the loss
             and the gradient checks every iteration.
-  pytrees:  serial, with each stage's params kept as a pytree (`layup.pack_stages=False`).
+  pytrees:  serial, with each stage's params kept as a pytree (`tuning.pack_stages=False`).
 Every round runs a short block of each side back to back (alternating the order), so
 each ratio is measured side by side; medians of the per-round ratios are reported. FLOPs per
 iteration come from XLA's `compiled.cost_analysis()` (summed over the stage functions for the
@@ -124,7 +124,7 @@ SIDES = ("runtime", "ahead2", "noremat", "chained", "unfused", "staged", "pytree
 
 def thread_clocks(runtime: AsyncRuntime) -> dict[str, float]:
   """Seconds so far of the runtime's threads: CPU, asleep with nothing to run, and waiting for
-  the other thread's turn (layup_jax/scheduler.py), per thread."""
+  the other thread's turn (layup_jax/runtime/scheduler.py), per thread."""
   return {f"{s.name}_{what}": getattr(s, what) for s in {runtime.dispatcher, runtime.updater}
           for what in ("cpu_s", "idle_s", "turn_wait_s")}
 
@@ -362,7 +362,7 @@ def main() -> None:
                   f"{b['dispatcher_idle_ms']:.1f} / {b['dispatcher_turn_wait_ms']:.1f})"
                   for b in r[blocks]))
   for r in rows:
-    for side, what in (("noremat", "layup.remat=none"), ("chained", "layup.chain_forwards")):
+    for side, what in (("noremat", "tuning.remat=none"), ("chained", "tuning.chain_forwards")):
       if not np.isnan(r[f"runtime_{side}_ms_median"]):
         print(f"{r['case']} runtime with {what}: {r[f'runtime_{side}_ms_median']:.3f} ms, "
               f"throughput vs fused "

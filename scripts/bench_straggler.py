@@ -6,7 +6,7 @@ second (compilation and evaluation excluded), over all devices and over the devi
 the straggler (from each device's own iteration count: under LayUp the others do not wait).
 
 `--mode` is `straggler.mode`: `host` idles the straggler's compute thread, `device` keeps its
-device busy with a delay program while the thread goes on dispatching (layup_jax/straggler.py).
+device busy with a delay program while the thread goes on dispatching (layup_jax/runtime/straggler.py).
 On fake CPU devices that program also takes a core from the other devices; the algorithm
 `layup-nogossip` (LayUp with `layup.gossip=False`: no device ever receives from another) shows
 that CPU effect alone, and the column "vs no gossip" divides LayUp's others-ratio by it, round by

@@ -12,7 +12,7 @@ same round, so both sides see the same moments of a shared machine.
   python scripts/bench_train.py --config configs/digits.py --algorithms layup ddp --repeats 3
   python scripts/bench_train.py --config configs/fashion_mnist.py --algorithms layup ddp \
       --set num_steps=234 --repeats 3 --out bench_train_fashion.json
-  python scripts/bench_train.py --algorithms layup ddp --variant "chain layup.chain_forwards=True"
+  python scripts/bench_train.py --algorithms layup ddp --variant "chain tuning.chain_forwards=True"
   python scripts/bench_train.py --config configs/digits.py --algorithms layup ddp --split-cores
 
 `--split-cores` runs each command with the fake devices' work on the first of its CPUs and

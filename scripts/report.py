@@ -496,7 +496,7 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
     bench = json.loads(path.read_text())
     lines += ["", ("### How far a compute thread dispatches ahead (`scripts/bench_runtime.py "
               "--ahead`)"), "",
-              (f"Digits, {bench['args']['num_devices']} devices, `layup.max_dispatch_ahead` = "
+              (f"Digits, {bench['args']['num_devices']} devices, `tuning.max_dispatch_ahead` = "
                "iterations a compute thread may dispatch before its device has produced the "
                "oldest one's loss; time per step and consensus test accuracy after 70 steps "
                f"(medians of {bench['args']['repeats']} repeats)."), "",
@@ -622,7 +622,7 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
                f"{args['eval_every']}; medians of {args['repeats']} alternated repeat(s); "
                f"{bench_stamp(bench)}. Each cell: training seconds / final "
                "accuracy. Bytes per device-iteration: counted by the run between processes "
-               "(layup_jax/traffic.py) and carried by the links, at the last rate listed."
+               "(layup_jax/multiprocess/traffic.py) and carried by the links, at the last rate listed."
                + (f" Stopped (Ctrl-C) after {len(bench['runs'])} runs: `-` marks a run not made."
                   if bench.get("stopped") else ""))]
     for layout in args["layouts"]:

@@ -14,7 +14,7 @@ commands, the machine and the date; `scripts/report.py` turns the workdir into t
 figures. Checkpoints are off (saves stay out of the timings) and a persistent compilation
 cache keeps repeated compilations out of the start-up. Like `python -m layup_jax.train`, the
 sweep starts itself again under TCMalloc or jemalloc when one is installed (`host_allocator`,
-which `--set host_allocator=system` turns off; each run's `summary.json` says which ran).
+which `--set tuning.host_allocator=system` turns off; each run's `summary.json` says which ran).
 
 `--straggler-mode device` delays device 0's *device* instead (a delay program per iteration while
 its host thread goes on, `straggler.mode=device`): those runs go to `delay<d>-device`. An
@@ -167,7 +167,7 @@ def main() -> None:
   overrides = [parse_assignment(assignment) for assignment in args.set]
   first = run_config(module, overrides, args.algorithms[0], 0, 0)  # a bad --set fails here
   try:  # the sweep starts again under TCMalloc, as `python -m layup_jax.train` does
-    note = allocator.use(first.host_allocator)
+    note = allocator.use(first.tuning.host_allocator)
   except ValueError as error:
     sys.exit(f"error: {error}")
   if note:

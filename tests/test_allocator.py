@@ -1,4 +1,4 @@
-"""The host's allocator (layup_jax/allocator.py): a run starts again under TCMalloc or jemalloc
+"""The host's allocator (layup_jax/platform/allocator.py): a run starts again under TCMalloc or jemalloc
 when one is installed, says how to get one when none is, and never loops."""
 
 import os
@@ -111,7 +111,7 @@ def test_a_process_started_again_that_still_runs_on_malloc_does_not_loop(recorde
 @pytest.mark.skipif(allocator.library("tcmalloc") is None,
                     reason="TCMalloc is not installed (apt-get install libtcmalloc-minimal4)")
 def test_a_process_started_on_malloc_runs_under_tcmalloc_after_use():
-  script = ("import sys; from layup_jax import allocator; "
+  script = ("import sys; from layup_jax.platform import allocator; "
             "print(allocator.in_use(), flush=True); allocator.use('auto')")
   env = {k: v for k, v in os.environ.items()
          if k not in ("LD_PRELOAD", "LAYUP_JAX_ALLOCATOR_PRELOADED")}

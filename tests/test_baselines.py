@@ -13,7 +13,8 @@ import pytest
 
 from layup_jax.algorithms import collectives
 from layup_jax.algorithms.gossip import ADPSGD, GoSGD
-from layup_jax.algorithms.periodic import CO2Outer, OptaxOuter, SlowMo, make_exchange, sync_step
+from layup_jax.algorithms.outer import CO2Outer, OptaxOuter, SlowMo
+from layup_jax.algorithms.periodic import make_exchange, sync_step
 from layup_jax.models.staged import StagedModel
 from layup_jax.run import runner
 from tests.helpers import Hidden, make_layup_runtime, plain_mlp

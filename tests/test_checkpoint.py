@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from layup_jax.algorithms import periodic
-from layup_jax.algorithms.periodic import CO2Outer, make_exchange
+from layup_jax.algorithms.outer import CO2Outer
+from layup_jax.algorithms.periodic import make_exchange
 from layup_jax.checkpoint import checks, layout
 from layup_jax.checkpoint.layout import DeviceRows
 from layup_jax.checkpoint.manager import Checkpoints

@@ -439,7 +439,7 @@ def test_a_local_step_fused_into_the_backward_is_the_updaters_step():
 
 
 def test_the_forwards_as_one_program_train_exactly_as_stage_by_stage():
-  # `layup.chain_forwards` is a dispatch choice: the same scripted iterations (local steps,
+  # `tuning.chain_forwards` is a dispatch choice: the same scripted iterations (local steps,
   # sends mixed in by the backwards, BatchNorm statistics) give the same replicas and weights.
   runtimes = [make_layup_runtime(3, chain_forwards=chain) for chain in (True, False)]
   assert runtimes[0].store.steps.forward_chain is not None

@@ -2,7 +2,7 @@
 
 On a simulated device: its programs run in dispatch order in virtual time, and the host's
 clock advances by the host's own work and by waiting for outputs. The clock's steps are tasks
-(`layup_jax.scheduler`), driven here with the simulated device's waits. Timings on the CPU these
+(`layup_jax.runtime.scheduler`), driven here with the simulated device's waits. Timings on the CPU these
 tests share with others are not reproducible (under the multi-process tests beside them a
 cycle's slowdown over a period timed before it ranged 1.55x to 6.9x in 25 runs);
 scripts/bench_straggler_device.py measures the clock on real devices.

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import ml_collections
 import optax
 
-from layup_jax.algorithms import ddp, gossip, layup, periodic
+from layup_jax.algorithms import ddp, gossip, layup, outer, periodic
 from layup_jax.algorithms.base import Runtime, asynchronous_runtime
 from layup_jax.runtime.stats import Snapshot
 
@@ -70,11 +70,11 @@ register("ddp", ddp.build)
 register("gosgd", _on_asynchronous_runtime(gossip.GoSGD), gossip=True, rejoins=True)
 register("adpsgd", _on_asynchronous_runtime(gossip.ADPSGD), gossip=True)
 register("local_sgd", periodic.builder(lambda b: None))
-register("slowmo", periodic.builder(lambda b: periodic.SlowMo(b.slow_lr, b.slow_momentum)))
+register("slowmo", periodic.builder(lambda b: outer.SlowMo(b.slow_lr, b.slow_momentum)))
 register("co2", periodic.builder(
-    lambda b: periodic.CO2Outer(b.slow_lr, b.slow_momentum, b.co2_clip,
+    lambda b: outer.CO2Outer(b.slow_lr, b.slow_momentum, b.co2_clip,
                                 b.co2_gap_penalty), lag=1))
-register("diloco", periodic.builder(lambda b: periodic.OptaxOuter(  # Douillard et al. 2023,
+register("diloco", periodic.builder(lambda b: outer.OptaxOuter(  # Douillard et al. 2023,
     optax.sgd(b.outer_lr, momentum=b.outer_momentum, nesterov=True)),  # Algorithm 1
     averages_per_outer_step=1), outer_step_every_average=True)
 

@@ -37,7 +37,7 @@ class Runtime(Protocol):
 
   Progress is counted in device iterations: one iteration is one device's forward and backward
   pass on its own batch, so a synchronous step over M devices is M iterations. What a run
-  reports (models, losses, weights, latencies) is read from `stats` (layup_jax/run_stats.py).
+  reports (models, losses, weights, latencies) is read from `stats` (layup_jax/runtime/stats.py).
   """
 
   num_devices: int  # the devices whose iterations `run_until` and `iterations_done` count

@@ -37,12 +37,12 @@ class LayUp(Hooks):
   """Algorithm 1's updater (module docstring), on the replica store and outboxes: `begin` picks
   j (and halves w_i per model), `on_stage` is the loop body for layer s, `end` lets the last
   sends go and grows w_j per model. The peer update runs on j's device, merged into j's next
-  program that reads the stage (layup_jax/replicas.py)."""
+  program that reads the stage (layup_jax/runtime/replicas.py)."""
 
   # The local update runs in the program of the stage's backward, as its gradient is computed
-  # (`DeviceStages.backward`, layup_jax/replicas.py), under the same atomic write a merge
+  # (`DeviceStages.backward`, layup_jax/runtime/replicas.py), under the same atomic write a merge
   # takes: `on_stage` then finds it applied (`local_step` with grads None).
-  # `layup.fuse_local_step=False` applies it here instead, from the gradient.
+  # `tuning.fuse_local_step=False` applies it here instead, from the gradient.
   fuses_local_step = True
   sends_stages = True  # its sends to other processes are compressed (`Exchange.sends_stages`)
 

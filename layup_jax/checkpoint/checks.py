@@ -10,16 +10,12 @@ from typing import Any
 import jax
 from absl import logging
 
+from configs.base import RENAMED
 from layup_jax.errors import ConfigError, StorageError
 
 # Keys that decide the shapes and structure of the saved arrays: a checkpoint written with other
 # values cannot be loaded into this run.
 STRUCTURAL_KEYS = ("algorithm", "model", "optimizer.name", "data.name", "tuning.pack_stages")
-# Keys that moved: a checkpoint's config written under the old name is read under the new one.
-RENAMED = {f"layup.{key}": f"tuning.{key}" for key in (
-    "updater_thread", "pin_host_threads", "idle_poll_s", "pack_stages", "fuse_local_step",
-    "remat", "chain_forwards", "max_dispatch_ahead", "max_sends_in_flight")}
-RENAMED["host_allocator"] = "tuning.host_allocator"
 
 
 def check_storage(workdir: pathlib.Path, checkpoint_bytes: int, keep: int) -> None:

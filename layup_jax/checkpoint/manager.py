@@ -13,7 +13,7 @@ saved as one array per dtype of shape (devices, size), its rows sharded over the
 across processes each process writes its own devices' rows (Orbax multi-process: one file set
 per process) and reads back only those, and the checkpoint is the same whichever processes
 wrote it. A run in one process reads every row, which is what resuming on another device
-count (`layup_jax.remap`) or another process layout needs.
+count (`layup_jax.pushsum.remap`) or another process layout needs.
 Orbax writes a step into a temporary folder and renames it when complete, so a run killed while
 saving leaves the previous checkpoints as they were; a step that still fails to restore (a
 truncated or damaged file) is moved to `WORKDIR/checkpoints_unreadable/` with a warning and the

@@ -1,7 +1,7 @@
 """Gossip with devices of other processes: the arrays through `jax.experimental.transfer`, the
 notices and acknowledgements through the coordination service's key-value store.
 
-A send to a device of another process (an outbox's send, layup_jax/transport.py) offers the
+A send to a device of another process (an outbox's send, layup_jax/runtime/sends.py) offers the
 computed stage to this process's transfer server under a fresh uuid (`await_pull`) and then
 queues a notice `(uuid, peer, stage, push-sum amount)` for `layup_jax/gossip/<to>/<from>/<b>/<n>`,
 n counting the notices from this process to that one (b = its batch of 16). A notice writer per
@@ -74,7 +74,7 @@ class RemotePeers:
     amount)`: the store's merge into local device j; `read(j, s)` and `correct(j, s, before,
     other)`: the store's reads and pairwise-average corrections (AD-PSGD); `sent` counts the
     bytes of every offer (each is pulled once, by another process). `compressor`
-    (layup_jax/compression.py), set before the run when sends travel compressed, decodes
+    (layup_jax/pushsum/compression.py), set before the run when sends travel compressed, decodes
     them."""
     self._client = compat.coordination_client()
     self._me, self._process_of = jax.process_index(), list(process_of)

@@ -12,12 +12,12 @@ feeds only its own devices (`local_positions`), and only process 0 writes record
 together into the workdir, which must be on a filesystem every process sees; a stop request
 (SIGTERM, Ctrl-C) takes effect at the next evaluation or checkpoint, where the processes agree
 on it. Every algorithm runs across processes: DDP; LayUp, GoSGD and AD-PSGD, their sends and
-pairwise averages with other processes' devices through layup_jax/crossprocess.py; the periodic
-baselines, their average an all-reduce over every process's devices (layup_jax/collectives.py).
+pairwise averages with other processes' devices through layup_jax/multiprocess/remote_peers.py; the periodic
+baselines, their average an all-reduce over every process's devices (layup_jax/algorithms/collectives.py).
 In the gossip and periodic algorithms' checkpoints each process writes its own devices'
 replicas (rows of arrays sharded over the run's devices, `checkpointing.DeviceRows`) and
 process 0 the state every process holds the same, with the metadata gathered from all
-(layup_jax/runtime_state.py).
+(layup_jax/runtime/state.py).
 """
 
 import dataclasses

@@ -1,7 +1,7 @@
 """Compressed gossip sends to other processes, with the push-sum mass kept exact.
 
 A send to another process's device carries stage s of device i with the push-sum amount a
-(layup_jax/transport.py). Compressed, it carries `c = Q(x_{i,s} + e_{i,s} / a)` instead of
+(layup_jax/runtime/sends.py). Compressed, it carries `c = Q(x_{i,s} + e_{i,s} / a)` instead of
 x_{i,s}, where Q is the codec's rounding and e_{i,s} is the error feedback: the mass the earlier
 compressed sends of that stage left out,
 

@@ -1,11 +1,14 @@
 """Run records a user can plot: `metrics.jsonl` (one JSON object per line), `summary.json`, and
 the same records as TensorBoard scalars (event files in `tensorboard/`, through tensorboardX:
-no TensorFlow needed)."""
+no TensorFlow needed), and `progress/process_<k>.jsonl`, each process's iterations over time."""
 
 import json
 import math
 import pathlib
+import time
 from typing import Any
+
+import jax
 
 
 def _clean(value: Any) -> Any:
@@ -87,3 +90,24 @@ class MetricsWriter:
 def read_metrics(workdir: pathlib.Path) -> list[dict[str, Any]]:
   with (pathlib.Path(workdir) / "metrics.jsonl").open() as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+class ProgressLog:
+  """Appends `{"t", "iterations", "step"}` to WORKDIR/progress/process_<k>.jsonl at most every
+  `every_s` seconds (each process its own file: the workdir is shared)."""
+
+  def __init__(self, workdir: pathlib.Path, every_s: float):
+    directory = workdir / "progress"
+    directory.mkdir(parents=True, exist_ok=True)
+    self._file = (directory / f"process_{jax.process_index()}.jsonl").open("a")
+    self._every_s, self._last = every_s, 0.0
+
+  def write(self, iterations: int, step: int) -> None:
+    now = time.time()
+    if now - self._last >= self._every_s:
+      self._last = now
+      self._file.write(json.dumps({"t": now, "iterations": iterations, "step": step}) + "\n")
+      self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()

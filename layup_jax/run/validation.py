@@ -59,9 +59,12 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   """Raises ConfigError for the first problem found."""
   unknown = _unknown_keys(config, base.get_config(), "config")
   if unknown:
+    moved = base.RENAMED.get(unknown[0].removeprefix("config."))
+    if moved:
+      raise ConfigError(f"config key {unknown[0]} is now config.{moved}")
     raise ConfigError(f"unknown config key {unknown[0]} (every key is listed in configs/base.py)")
   _one_of(config, "algorithm", algorithms.names())
-  _one_of(config, "host_allocator", allocator.CHOICES)
+  _one_of(config, "tuning.host_allocator", allocator.CHOICES)
   _one_of(config, "model.name", models.names())
   _one_of(config, "model.variant", models.VARIANTS)
   _one_of(config, "model.granularity", models.GRANULARITIES)
@@ -72,8 +75,8 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "optimizer.schedule", optim.SCHEDULES)
   _one_of(config, "layup.bn_policy", options.BN_POLICIES)
   _one_of(config, "layup.push_sum", options.PUSH_SUM)
-  _one_of(config, "layup.pin_host_threads", options.PIN_HOST_THREADS)
-  _one_of(config, "layup.remat", programs.REMAT_POLICIES)
+  _one_of(config, "tuning.pin_host_threads", options.PIN_HOST_THREADS)
+  _one_of(config, "tuning.remat", programs.REMAT_POLICIES)
   _one_of(config, "faults.nonfinite", stats.POLICIES)
   _one_of(config, "straggler.mode", straggler.MODES)
   _one_of(config, "baselines.ddp_batch_norm", ddp.BATCH_NORM)
@@ -97,13 +100,13 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("data.batch_size", 1), ("optimizer.learning_rate", 0), ("optimizer.momentum", 0),
       ("optimizer.weight_decay", 0), ("optimizer.warmup_steps", 0), ("optimizer.warmup_epochs", 0),
       ("optimizer.warmup_init_lr", 0), ("num_steps", 0), ("num_epochs", 0), ("eval_every", 0),
-      ("layup.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
+      ("tuning.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
       ("model.num_classes", 1), ("model.vocab_size", 1), ("model.max_len", 1),
       ("model.hidden_size", 1), ("model.num_layers", 1), ("model.dropout", 0),
       ("checkpoint.every", 0), ("checkpoint.keep", 1), ("metrics.target_accuracy", 0),
       ("metrics.target_perplexity", 0), ("metrics.latency_every", 0),
       ("metrics.progress_every_s", 0),
-      ("layup.max_sends_in_flight", 0), ("model.stages_per_group", 1),
+      ("tuning.max_sends_in_flight", 0), ("model.stages_per_group", 1),
       ("distributed.max_remote_backlog", 0),
   ]
   for key, bound in checks:
@@ -111,8 +114,8 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   probability = config.distributed.remote_peer_probability
   _require(probability == -1 or 0 <= probability <= 1, "distributed.remote_peer_probability",
            probability, "must be in [0, 1], or -1 for peers uniform over the run's devices")
-  poll = config.layup.idle_poll_s
-  _require(poll == -1 or poll > 0, "layup.idle_poll_s", poll,
+  poll = config.tuning.idle_poll_s
+  _require(poll == -1 or poll > 0, "tuning.idle_poll_s", poll,
            "must be > 0 (seconds), or -1 to choose by the devices' platform")
   _at_least(config, "baselines.tau", 1)
   _at_least(config, "baselines.out_freq", 0)

@@ -1,14 +1,14 @@
 """The asynchronous runtime: every device's compute and updater work (paper Section 3), driven
-as cooperative tasks (layup_jax/scheduler.py) by two threads per process.
+as cooperative tasks (layup_jax/runtime/scheduler.py) by two threads per process.
 
 Compute task i dispatches device i's forward stage by stage (each stage reading the device's
 current params), the loss and the backwards, each with its stage's local update where the
 exchange allows it (`Exchange.fuses_local_step`), and hands each stage to updater task i as it
 is dispatched. Updater task i runs the algorithm's hooks per iteration (`begin`, `on_stage` per
-stage, `end`; layup_jax/exchange.py), then the iteration counts as finished. A task yields what
+stage, `end`; layup_jax/runtime/exchange.py), then the iteration counts as finished. A task yields what
 it waits for, so the thread running every device's tasks never blocks on one device: compute
 tasks run on the dispatcher thread, updater (and latency) tasks on the updater thread
-(`layup.updater_thread=False`: on the dispatcher's). A compute task dispatches at most
+(`tuning.updater_thread=False`: on the dispatcher's). A compute task dispatches at most
 `max_dispatch_ahead` iterations ahead of its device and of its updater.
 
 `iterate_serial` runs one whole iteration of one device on the calling thread, blocking on each
@@ -198,7 +198,8 @@ class AsyncRuntime:
     in the threaded mode). Returns the loss."""
     if peer != "random":
       self.peers.script(i, peer)
-    drive(awaited(self.exchange.before_iteration(i)))
+    if self.exchange.before_iteration is not None:
+      drive(awaited(self.exchange.before_iteration(i)))
     index = self._budget.start_now()
     iteration = self.store.replicas[i].iteration
     handed: list[tuple] = []
@@ -216,7 +217,7 @@ class AsyncRuntime:
   # --- compilation ----------------------------------------------------------------------------
 
   def compile(self) -> None:
-    """Runs every per-stage program once on every device (layup_jax/warmup.py)."""
+    """Runs every per-stage program once on every device (layup_jax/runtime/warmup.py)."""
     compile_runtime(self)
 
   # --- the tasks ------------------------------------------------------------------------------
@@ -234,10 +235,12 @@ class AsyncRuntime:
   def _compute_task(self, i: int) -> Task:
     pending: collections.deque = collections.deque()
     clock, budget, ahead = self.clocks[i], self._budget, self.options.max_dispatch_ahead
+    slowed = clock.delay_iters > 0  # only a straggler's clock measures and delays
+    before_iteration = self.exchange.before_iteration
     replica, applied = self.store.replicas[i], self._checks.applied
     behind = lambda: replica.iteration - applied[i]  # dispatched, not applied by the updater
     while True:
-      waits = self.exchange.before_iteration(i)
+      waits = before_iteration(i) if before_iteration is not None else None
       if waits is not None:  # for other devices: read every loss first
         yield from self._read_losses(i, pending, keep=0)
         yield from awaited(waits)
@@ -251,13 +254,15 @@ class AsyncRuntime:
         index = budget.try_acquire(own)
       if behind() >= ahead:
         yield Until(lambda: behind() < ahead, "the updater")
-      yield from clock.start_iteration()
+      if slowed:
+        yield from clock.start_iteration()
       iteration = self.store.replicas[i].iteration
       held = []  # stage 0, the backward's last: the clock may wait for it before its updater
       hand_over = lambda *item, held=held: (held.append(item) if item[0] == 0
                                             else self._hand_over(i, item))
       loss, last = self._compute_iteration(i, index, hand_over)
-      yield from clock.end_iteration(last)  # (an unfused updater would donate the gradient)
+      if slowed:
+        yield from clock.end_iteration(last)  # (an unfused updater would donate the gradient)
       self._hand_over(i, held.pop())
       pending.append((iteration, loss))
       last = loss = None  # holds no stage past the iteration

@@ -1,6 +1,6 @@
 """What an algorithm on the asynchronous runtime decides: what happens to a device's stages.
 
-The runtime (layup_jax/runtime.py) runs, per device, a compute task (forward and backward)
+The runtime (layup_jax/runtime/engine.py) runs, per device, a compute task (forward and backward)
 and an updater task. For each iteration of device i the updater calls its algorithm's
 `Exchange`:
 
@@ -10,13 +10,14 @@ and an updater task. For each iteration of device i the updater calls its algori
 
 and the compute task calls `before_iteration(i)` before each iteration (where an algorithm
 makes a device wait for the others, at a period boundary). A hook that waits for something is a
-task (a generator, `layup_jax.scheduler`): it yields what it waits for, so that the thread
+task (a generator, `layup_jax.runtime.scheduler`): it yields what it waits for, so that the thread
 running every device's tasks never blocks on one. An exchange writes replicas only through the
 `ReplicaStore` and sends stages only through its devices' `Outbox`es; it holds no threads of
 its own.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -33,7 +34,7 @@ class Links:
   """What an exchange works with: the replicas, each device's outbox, the peer sampler, the
   runtime's options, `stopped()`, true once the runtime stops (for waits at a period), the
   run's devices (every process's; the store holds this process's), and the transport to any
-  peer's device, in this process or another (layup_jax/transport.py)."""
+  peer's device, in this process or another (layup_jax/runtime/sends.py)."""
 
   store: ReplicaStore
   outboxes: list[Outbox]
@@ -84,7 +85,7 @@ class Exchange(Protocol):
   Traits (class attributes, `Hooks` has the defaults):
 
   `fuses_local_step`: the runtime applies each stage's local step itself, in the program of
-  the stage's backward (`DeviceStages.backward`, layup_jax/replicas.py), and `on_stage` gets
+  the stage's backward (`DeviceStages.backward`, layup_jax/runtime/replicas.py), and `on_stage` gets
   `grads=None`: the stage's params are then already updated (`ReplicaStore.local_step` returns
   them). An algorithm whose step must wait for something else (AD-PSGD averages first) leaves
   it False and applies the gradient in `on_stage`.
@@ -121,9 +122,9 @@ class Exchange(Protocol):
 
   def end(self, i: int, context: Any) -> None: ...
 
-  def before_iteration(self, i: int) -> Any:
-    """Called by compute task i before it takes an iteration: None, or a task that waits
-    (for the other devices, at a boundary)."""
+  # Called by compute task i before it takes an iteration: None, or a task that waits (for
+  # the other devices, at a boundary). An exchange that never waits leaves it None.
+  before_iteration: Callable[[int], Any] | None
 
   def compile(self) -> None:
     """Compiles the exchange's own functions (beyond the store's), on every device."""
@@ -154,8 +155,7 @@ class Hooks:
   def end(self, i: int, context: Any) -> Any:
     return None
 
-  def before_iteration(self, i: int) -> Any:
-    return None
+  before_iteration = None
 
   def compile(self) -> None:
     pass

@@ -22,7 +22,7 @@ from layup_jax.pushsum import mixing
 from layup_jax.runtime.packing import StagePacking, pack_residuals, unpack_residuals
 
 PyTree = Any
-# What a stage's forward keeps for its backward (`layup.remat`): "none" keeps every residual the
+# What a stage's forward keeps for its backward (`tuning.remat`): "none" keeps every residual the
 # VJP asks for; "dots" only the outputs of matrix multiplications and convolutions, the
 # elementwise work (normalization, activations) being recomputed in the backward; "full" only
 # the stage's input, the whole stage being recomputed.
@@ -117,7 +117,7 @@ class StageSteps:
   A consumer stage's `x` and `dx` are `(activation, tied array)` pairs. Stages whose modules are
   equal (the repeated blocks of a ResNet or GPT-2) share one jitted function, so each compiles
   once per device rather than once per stage. With `packings`, every stage's params (and so its
-  gradients) are flat vectors (`layup_jax.packing`).
+  gradients) are flat vectors (`layup_jax.runtime.packing`).
   """
 
   forward: tuple[Callable, ...]

@@ -1,7 +1,7 @@
 """Every device's replica, and every write to it.
 
 Device i's replica holds, per stage s, params, BatchNorm state and Optax state (one flat vector
-each with `pack_stages`, layup_jax/packing.py; else a pytree) and the push-sum weight w_{i,s}.
+each with `pack_stages`, layup_jax/runtime/packing.py; else a pytree) and the push-sum weight w_{i,s}.
 Stages are kept as references in Python lists and replaced, never mutated, so a reader takes
 the current reference without a lock and always gets a complete stage.
 
@@ -20,7 +20,7 @@ Each (device, stage) has two locks: one for its params, Optax state and push-sum
 for its BatchNorm state, so that the owner's forward (statistics) and its updater (params)
 never wait for each other; a merge that mixes both takes both. Any write that needs several
 takes params locks before state locks, and devices in index order, so writes cannot deadlock.
-The lock type is given by the runtime (layup_jax/runtime.py owns the threads).
+The lock type is given by the runtime (layup_jax/runtime/engine.py owns the threads).
 
 Where the local updates are fused into the backward (`defer_merges`), a peer's stage received
 under per-stage push-sum is not merged by a program of its own: it waits in the receiving
@@ -383,7 +383,7 @@ class ReplicaStore:
 
   def add_to_params(self, i: int, s: int, delta: PyTree) -> None:
     """`x_{i,s} <- x_{i,s} + delta` (params only): compressed sends give back the mass they held
-    out (layup_jax/compression.py), at a consistent point."""
+    out (layup_jax/pushsum/compression.py), at a consistent point."""
     with self._locks[i][s]:
       replica = self.replicas[i]
       replica.params[s] = self._add(replica.params[s], delta)
@@ -441,7 +441,7 @@ class ReplicaStore:
   def load(self, arrays: PyTree, weights: Sequence[Sequence[float]],
            iterations: Sequence[int]) -> list[int]:
     """Replaces every replica and weight by saved ones (remapped when they were saved on
-    another number of devices, `layup_jax.remap`); returns, per device, the saved replica whose
+    another number of devices, `layup_jax.pushsum.remap`); returns, per device, the saved replica whose
     identity (keys, step counter) it inherits."""
     saved = len(arrays["replicas"])
     if saved == self.num_devices:

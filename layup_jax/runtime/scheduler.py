@@ -143,7 +143,7 @@ class Scheduler:
 
   def __init__(self, name: str, turn: Any = None, max_poll_s: float = MAX_POLL_S):
     """`max_poll_s`: the longest an idle `run` sleeps before it looks at its tasks again (the
-    runtime's `layup.idle_poll_s`): each look costs the host CPU time, each missed readiness
+    runtime's `tuning.idle_poll_s`): each look costs the host CPU time, each missed readiness
     at most this much latency."""
     self.name = name
     self.max_poll_s = max_poll_s
@@ -259,7 +259,7 @@ def awaited(result: Any) -> Task:
   return result
 
 
-# How long an idle scheduler sleeps at most (`layup.idle_poll_s` = -1) where the devices are
+# How long an idle scheduler sleeps at most (`tuning.idle_poll_s` = -1) where the devices are
 # the host's CPUs: 1 ms (on the 2-core development machine the scheduler's default, 0.1 ms,
 # cost its threads 1.4-1.7x the CPU time and 5-10 % of the samples per second: docs/host.md
 # "The idle poll"); elsewhere the scheduler's default (a GPU's stages are short; its host has
@@ -269,7 +269,7 @@ CPU_IDLE_POLL_S = 1e-3
 
 def idle_poll_s(configured: float, platform: str) -> float:
   """How long an idle scheduler sleeps at most before it looks at its tasks again
-  (`layup.idle_poll_s`; -1: `CPU_IDLE_POLL_S` where the devices are the host's own CPUs, whose
+  (`tuning.idle_poll_s`; -1: `CPU_IDLE_POLL_S` where the devices are the host's own CPUs, whose
   every look takes time from the devices' work, else the scheduler's default)."""
   if configured > 0:
     return configured
@@ -277,7 +277,7 @@ def idle_poll_s(configured: float, platform: str) -> float:
 
 
 def pins_threads(mode: str, two_threads: bool, platform: str) -> bool:
-  """Whether the dispatcher and updater threads share one CPU (`layup.pin_host_threads`):
+  """Whether the dispatcher and updater threads share one CPU (`tuning.pin_host_threads`):
   only where there are two, and under "auto" only where the devices are not the host's own
   CPUs (their work would then share that CPU too)."""
   return two_threads and (mode == "on" or (mode == "auto" and platform != "cpu"))

@@ -13,7 +13,7 @@ the peer's tasks never wait.
 
 Sends leave in the order they were posted. A posted stage goes as soon as it is computed: each
 send first sends the posted stages that are ready (without waiting), and `flush`, a task
-(`layup_jax.scheduler`), waits for the rest without blocking the thread that runs it. With
+(`layup_jax.runtime.scheduler`), waits for the rest without blocking the thread that runs it. With
 `max_in_flight`, at most that many of its sends may be on their way to peers (copied or merged
 there not yet computed) before it waits for the oldest (that waits on a peer: the price of
 bounding what peers hold).
@@ -29,10 +29,10 @@ sends are never rerouted.)
 
 `Transport`: a send of a computed stage (`send`) or AD-PSGD's pairwise average (`average`) to a
 device of this process is a copy to its device and an atomic write of the replica store; to a
-device of another process it goes through that process (layup_jax/crossprocess.py), which merges
+device of another process it goes through that process (layup_jax/multiprocess/remote_peers.py), which merges
 it or answers with its half. After `compress_sends` (a runtime whose exchange pushes stages,
 `Exchange.sends_stages`) a send to another process travels compressed, with error feedback
-(layup_jax/compression.py): encoded when it is posted, so that the compressed stage is computed
+(layup_jax/pushsum/compression.py): encoded when it is posted, so that the compressed stage is computed
 right after the stage, the mass it held back returned at each consistent point (`settle`);
 AD-PSGD's pairwise averages travel as they are. The outboxes and the algorithms call this
 interface only; the runtime runs its receiver loops (`loops`) and, at a consistent point, waits
@@ -161,7 +161,7 @@ class Transport:
     self.latencies = self._remote.latencies if self._remote is not None else None
 
   def compress_sends(self, codec: str) -> None:
-    """Sends to other processes travel as `codec` from now on (layup_jax/compression.py;
+    """Sends to other processes travel as `codec` from now on (layup_jax/pushsum/compression.py;
     "none", or a run in one process: as they are). Called once, before the run."""
     if self._remote is None or codec == "none":
       return
@@ -173,7 +173,7 @@ class Transport:
   @property
   def compressor(self) -> compression.Compressor | None:
     """The codec and residuals of compressed sends (`compress_sends`), kept where they are
-    decoded (layup_jax/crossprocess.py); None when sends travel as they are."""
+    decoded (layup_jax/multiprocess/remote_peers.py); None when sends travel as they are."""
     return self._remote.compressor if self._remote is not None else None
 
   def backlogged(self, peer: int) -> bool:
@@ -184,12 +184,12 @@ class Transport:
     return self._remote.backlog(peer) >= self.max_remote_backlog
 
   def lose(self, process: int) -> None:
-    """An elastic run goes on without `process` (layup_jax/distributed.py `Membership`)."""
+    """An elastic run goes on without `process` (layup_jax/multiprocess/setup.py `Membership`)."""
     if self._remote is not None:
       self._remote.lose(process)
 
   def rejoin(self, process: int) -> list[tuple[str, Callable[[], None]]]:
-    """`process` is admitted back (layup_jax/distributed.py `Membership`); returns its new
+    """`process` is admitted back (layup_jax/multiprocess/setup.py `Membership`); returns its new
     receiver loop, to run on a thread of its own."""
     self._remote.rejoin(process)
     return [self._loop(process)]

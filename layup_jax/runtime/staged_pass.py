@@ -20,7 +20,7 @@ PyTree = Any
 class StageOps(Protocol):
   """One device's stage programs as `staged_pass` dispatches them: the runtime's replica store
   makes each an atomic read-dispatch-store of the device's replica (`DeviceStages` in
-  layup_jax/replicas.py); `FixedStages` runs them on given params."""
+  layup_jax/runtime/replicas.py); `FixedStages` runs them on given params."""
 
   def read(self, s: int) -> PyTree:
     """Stage s's params as they are now."""

@@ -5,7 +5,7 @@ replica and stage keys (the rows this process writes of one array per dtype,
 `checkpointing.DeviceRows`), the exchange's own state, and metadata: iterations, push-sum
 weights, peer samplers, straggler clocks, losses not yet recorded, skip counts. Across
 processes each process writes its own devices' rows and process 0 the rest, gathered; a
-checkpoint resumes on another device count (remapped, layup_jax/remap.py). An elastic run that
+checkpoint resumes on another device count (remapped, layup_jax/pushsum/remap.py). An elastic run that
 lost a process writes the live processes' devices only (the rows the gather's members hold), so
 its checkpoints hold fewer devices than the run started with.
 """

@@ -1,7 +1,7 @@
 """What a run reports besides its progress: the models, training losses, push-sum weights,
 iterations per device, skipped steps and update latencies, read by the runner at each record.
 
-One object for every runtime (LayUp's and the baselines' on layup_jax/runtime.py, and DDP):
+One object for every runtime (LayUp's and the baselines' on layup_jax/runtime/engine.py, and DDP):
 the runtime records into it as it trains, the runner reads from it at consistent points. Reads
 of what accumulates (losses, latencies) drain it: each record covers the span since the last.
 Across processes each process holds its own devices' part; `collect` (a collective, every
@@ -67,7 +67,7 @@ class RunStats:
     merge; `timed`: whether stages' update latencies are sampled at all (DDP's are not);
     `host_cpu` the CPU seconds the runtime's own threads have spent dispatching (None: the
     runtime dispatches from the caller's thread); `bytes_sent` the bytes this process has sent
-    to other processes so far (`layup_jax.traffic`), summed over processes by `collect`, or,
+    to other processes so far (`layup_jax.multiprocess.traffic`), summed over processes by `collect`, or,
     without `gather`, multiplied by `identical_processes` (DDP: every process runs the same
     all-reduces)."""
     self.num_stages = num_stages
@@ -222,7 +222,7 @@ class StageTimer:
     self._landings[i].append((s, start, landed))
 
   def task(self, i: int) -> Task:
-    """Device i's latency task (a task of layup_jax/scheduler.py: it never blocks a thread)."""
+    """Device i's latency task (a task of layup_jax/runtime/scheduler.py: it never blocks a thread)."""
     landings = self._landings[i]
     while True:
       if not landings:

@@ -141,7 +141,7 @@ class IterationClock:
 
   def start_iteration(self) -> Task:
     """Slows the straggler (idling, or dispatching the delay program) and marks the start; a
-    task (`layup_jax.scheduler`): host mode yields its idling, device mode the drain."""
+    task (`layup_jax.runtime.scheduler`): host mode yields its idling, device mode the drain."""
     if self._program is not None:
       yield from self._start_on_device(self._iterations)
     else:
