@@ -1,17 +1,28 @@
-"""Training across several "hosts" on links of a given rate: scripts/cluster_drill.sh, as root.
+"""Training across several "hosts", in two modes (the first argument; default `hosts`).
+
+  hosts      several hosts on one machine (network namespaces, scripts/cluster_drill.sh, as
+             root) on links of a given rate: training time, accuracy, bytes and send latency
+  processes  a run split over processes against the same run in one process
+
+    sudo python scripts/bench_cluster.py --layouts 2x4 --rates unshaped 20mbit \\
+        --algorithms ddp layup --repeats 3 --out cluster.json                      # hosts
+    python scripts/bench_cluster.py processes --algorithms ddp layup --num-steps 60 \\
+        --repeats 3 --out m.json
+
+`python scripts/bench_cluster.py MODE --help` lists a mode's options.
+
+## hosts
 
 Each repeat runs every (algorithm, variant) x layout x rate once, in that order (alternated, so
 that a machine's drift falls on all of them alike); the table gives medians over repeats of the
 training time, samples per second and final accuracy from `summary.json`, the bytes the run
-counted between processes per device-iteration (layup_jax/multiprocess/traffic.py: gossip's sends as made,
-a collective's bandwidth-optimal share) and the bytes the hosts' links carried per
+counted between processes per device-iteration (layup_jax/multiprocess/traffic.py: gossip's
+sends as made, a collective's bandwidth-optimal share) and the bytes the hosts' links carried per
 device-iteration (the interfaces' counters: everything, collectives as gloo runs them, the
 coordination service, evaluation's gathers), and the median send latency between processes.
 Each run's row in the JSON also keeps device 0's own final accuracy and the replicas' final
 consensus distance.
 
-  sudo python scripts/bench_cluster.py --layouts 2x4 --rates unshaped 20mbit \\
-      --algorithms ddp layup --repeats 3 --out cluster.json
   sudo python scripts/bench_cluster.py --algorithms layup \\
       --variant "backlog8 distributed.max_remote_backlog=8" --rates 20mbit
   sudo python scripts/bench_cluster.py --config configs/fashion_mnist.py --num-steps 0 \\
@@ -25,6 +36,26 @@ target, each run records its time to it (training time, evaluation excluded). `-
 option; by default every process may run on every CPU). The drill starts `$PYTHON` (default:
 the interpreter running this script).
 Ctrl-C stops the run under way and removes its namespaces before this script stops.
+
+## processes (was scripts/bench_multihost.py)
+
+Each repeat runs every (algorithm, layout) back to back: `1x8` is one process with 8 devices
+(`python -m layup_jax.train`), `2x4` two processes with 4 devices each, joined by JAX's
+distributed runtime on 127.0.0.1 (`python -m layup_jax.launch`); the table reports medians
+over repeats of training samples per second (compilation and evaluation excluded, from
+`summary.json`) and the ratio 2x4 / 1x8 of each repeat. On one machine the two processes share
+its cores, so the ratio measures what crossing processes costs (collectives over gloo's TCP,
+the coordination service), not what a second host adds. `2x4-netns` runs the two processes in
+two network namespaces on one bridge (`scripts/cluster_drill.sh --hosts 2`, as root): every byte
+between them crosses a network interface, as between hosts.
+
+For LayUp and GoSGD the table also gives the per-send latency between processes (median over
+the run of the time from a stage's offer to its merge dispatched on the peer's process,
+`remote_send_latency_ms` of the summary) and, beside it, the update latency of the sends within
+a process (`stage_update_latency_ms`, sampled every `metrics.latency_every` iterations: from the
+gradient computed to the merge computed on the peer).
+
+  sudo python scripts/bench_cluster.py processes --layouts 1x8 2x4 2x4-netns --out m.json
 """
 
 import argparse
@@ -41,6 +72,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from layup_jax.measure import provenance
+
+MODES = ("hosts", "processes")
+
+# --- hosts --------------------------------------------------------------------------------------
 
 
 def run_drill(command: list[str]) -> subprocess.CompletedProcess:
@@ -78,9 +113,10 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
   if result.returncode:  # recorded and reported; the other runs go on
     print(f"{layout} {rate} {algorithm} failed (status {result.returncode}):\n"
           f"{result.stdout[-3000:]}{result.stderr[-2000:]}", file=sys.stderr, flush=True)
-    # A process's one-line error, where one said it (the drill's last lines are link counters).
-    said = [line for line in (result.stdout + "\n" + result.stderr).splitlines()
-            if "error:" in line]
+    # A process's one-line error, where one said it (the drill's last lines are link counters,
+    # and its own line on stderr only names the process that failed first); else the drill's.
+    said = ([line for line in result.stdout.splitlines() if "error:" in line]
+            or [line for line in result.stderr.splitlines() if "error:" in line])
     tail = said[-1] if said else (result.stderr.strip() or result.stdout.strip()
                                   or "no output").splitlines()[-1]
     return {"layout": layout, "rate": rate, "algorithm": algorithm, "seed": seed,
@@ -107,8 +143,11 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
           "host_allocator": summary.get("host_allocator")}  # process 0's (each chooses alike)
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main_hosts(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(
+      prog="bench_cluster.py [hosts]",
+      description="Training across several hosts (network namespaces) on links of a given "
+                  "rate: scripts/cluster_drill.sh, as root.")
   parser.add_argument("--config", default="configs/digits.py")
   parser.add_argument("--algorithms", nargs="+", default=["ddp", "layup"])
   parser.add_argument("--variant", action="append", default=[],
@@ -125,7 +164,7 @@ def main() -> None:
                       help="each host's process on CPUs of its own (cluster_drill.sh; 0: shared)")
   parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "bench_cluster_cc"))
   parser.add_argument("--out", default="bench_cluster.json")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if os.geteuid() != 0:
     sys.exit("error: run as root (scripts/cluster_drill.sh creates network namespaces)")
   cases = [(a, a, []) for a in args.algorithms]
@@ -191,6 +230,111 @@ def write(args, rows: list[dict], table: list[dict] | None, stopped: bool = Fals
   with open(args.out, "w") as f:
     json.dump({**provenance.stamp(), "args": vars(args), "table": table, "stopped": stopped,
                "runs": rows}, f, indent=1)
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+
+def run_processes(layout: str, algorithm: str, args, workdir: str) -> dict:
+  processes, per_process = (int(n) for n in layout.removesuffix("-netns").split("x"))
+  train = ["--config", f"{args.config}:{algorithm}", "--workdir", workdir,  # its column
+           f"--config.num_steps={args.num_steps}", "--config.eval_every=0",
+           "--config.checkpoint.enabled=False", "--config.progress_bar=False",
+           f"--config.compilation_cache_dir={args.cache}"]
+  if layout.endswith("-netns"):  # one process per network namespace, over a bridge (root)
+    result = run_drill(["bash", "scripts/cluster_drill.sh", "--hosts", str(processes),
+                        "--devices-per-host", str(per_process), "--", *train])
+  else:
+    if processes == 1:
+      env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={per_process}"}
+      command = [sys.executable, "-m", "layup_jax.train", *train]
+    else:
+      env = dict(os.environ)
+      command = [sys.executable, "-m", "layup_jax.launch", "--processes", str(processes),
+                 "--devices-per-process", str(per_process), "--", *train]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            check=False)
+  if result.returncode:
+    sys.exit(f"{layout} {algorithm} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  remote = summary.get("remote_send_latency_ms") or {}
+  local = [v for v in summary.get("stage_update_latency_ms") or [] if v is not None]
+  return {"layout": layout, "algorithm": algorithm,
+          "samples_per_s": summary["train_samples_per_s"],
+          "wall_time_s": summary["wall_time_s"], "compile_s": summary["compile_s"],
+          "final_eval_loss": summary["final_eval_loss"],
+          "send_latency_ms": remote.get("median"), "sends_between_processes": remote.get("count"),
+          "update_latency_ms": statistics.mean(local) if local else None}
+
+
+def main_processes(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(
+      prog="bench_cluster.py processes",
+      description="Training throughput of a run split over processes against the same run in "
+                  "one process.")
+  parser.add_argument("--config", default="configs/digits.py")
+  parser.add_argument("--algorithms", nargs="+", default=["ddp", "layup"])
+  parser.add_argument("--layouts", nargs="+", default=["1x8", "2x4"])
+  parser.add_argument("--num-steps", type=int, default=60)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "bench_multihost_cc"))
+  parser.add_argument("--out", default="bench_multihost.json")
+  args = parser.parse_args(argv)
+  if any(layout.endswith("-netns") for layout in args.layouts) and os.geteuid() != 0:
+    sys.exit("error: run as root for a -netns layout (scripts/cluster_drill.sh creates network "
+             "namespaces)")
+
+  runs = []
+  with tempfile.TemporaryDirectory() as scratch:
+    for repeat in range(args.repeats):
+      for algorithm in args.algorithms:
+        for layout in args.layouts:
+          workdir = os.path.join(scratch, f"{algorithm}-{layout}-{repeat}")
+          record = run_processes(layout, algorithm, args, workdir)
+          runs.append({**record, "repeat": repeat})
+          print(f"[{repeat}] {algorithm} {layout}: {record['samples_per_s']:.0f} samples/s, "
+                f"loss {record['final_eval_loss']:.6f}", flush=True)
+
+  table = []
+  reference = args.layouts[0]
+  for algorithm in args.algorithms:
+    for layout in args.layouts:
+      mine = [r for r in runs if r["algorithm"] == algorithm and r["layout"] == layout]
+      ratios = [r["samples_per_s"] / next(b["samples_per_s"] for b in runs
+                                          if b["algorithm"] == algorithm and b["repeat"]
+                                          == r["repeat"] and b["layout"] == reference)
+                for r in mine]
+      def median_of(key, mine=mine):
+        values = [r[key] for r in mine if r[key] is not None]
+        return statistics.median(values) if values else None
+
+      table.append({"algorithm": algorithm, "layout": layout,
+                    "samples_per_s": statistics.median(r["samples_per_s"] for r in mine),
+                    f"vs_{reference}": statistics.median(ratios),
+                    "send_latency_ms": median_of("send_latency_ms"),
+                    "update_latency_ms": median_of("update_latency_ms"),
+                    "final_eval_loss": [r["final_eval_loss"] for r in mine]})
+  print(f"\n| algorithm | layout | samples/s (median) | vs {reference} (median of repeats) | "
+        f"send latency between processes, ms | update latency within a process, ms |")
+  print("|---|---|---|---|---|---|")
+  cell = lambda v: "-" if v is None else f"{v:.1f}"
+  for row in table:
+    print(f"| {row['algorithm']} | {row['layout']} | {row['samples_per_s']:.0f} | "
+          f"{row[f'vs_{reference}']:.2f} | {cell(row['send_latency_ms'])} | "
+          f"{cell(row['update_latency_ms'])} |")
+  with open(args.out, "w") as f:
+    json.dump({**provenance.stamp(), "args": vars(args), "table": table, "runs": runs}, f,
+              indent=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
+  if argv and argv[0] in ("-h", "--help"):
+    print(__doc__)
+    return
+  mode, argv = (argv[0], argv[1:]) if argv and argv[0] in MODES else ("hosts", argv)
+  {"hosts": main_hosts, "processes": main_processes}[mode](argv)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@
 #               `chained` beside the runtime and the fused step (ResNet-18 b128, GPT-2 124M)
 #   DEFAULTS=0  leaves out bench_step and bench_host above (the device tool brings back 8 files:
 #               CMDBUF=1 alone writes 7)
-#   bench_dispatch  with DISPATCH=1: each program's dispatch cost inside a run against alone, on
-#               the same fake devices (is the 2-core machine's 1.5-3.8x the CPU client's?)
+#   dispatch    with DISPATCH=1: each program's dispatch cost inside a run against alone
+#               (`bench_host.py dispatch`), on the same fake devices (is the 2-core machine's
+#               1.5-3.8x the CPU client's?)
 # for this tree and, given BEFORE (another checkout of the project), for that one too, with this
 # tree's benchmark scripts copied into it so that both are measured by the same harness. Each
 # command has its own time limit, so that one overrun leaves the others' figures; the JSON go to
@@ -37,18 +38,96 @@
 # most 8 files).
 #
 #   bash scripts/bench_gpu.sh [BEFORE]
+#
+# Mode `rounds` (was scripts/bench_gpu_rounds.sh): two checkouts alternated round by round, for a
+# difference that one run each cannot decide:
+#   host  bench_host --cases resnet18-cifar --algorithms layup: the host's time per device-
+#         iteration (8 fake CPU devices on that machine's cores), this tree against HOST_BEFORE
+#   step  bench_step --cases resnet18-cifar-b128 --sides runtime fused: one device's staged
+#         runtime against the fused step on the GPU, this tree against STEP_BEFORE
+# Each run writes into a scratch folder; after every run the finished runs' JSON are merged into
+# $OUT/host_rounds.json and $OUT/step_rounds.json and the logs into $OUT/logs.tar.gz: the device
+# tool brings back at most 8 files, also from a call that ran out of time, so $OUT never holds
+# more than these three. A run takes about a minute on a 16-core host (most of it
+# compilation): 3 host rounds and 2 step rounds (10 runs) did not fit in one 10-minute call
+# (2026-11-27).
+#
+#   bash scripts/bench_gpu.sh rounds HOST_BEFORE HOST_ROUNDS STEP_BEFORE STEP_ROUNDS
+#
+# Either way, every other tree is measured with this tree's bench_host.py and bench_step.py, and
+# the module they import (layup_jax/measure/bench_options.py, copied into that tree's
+# layup_jax/measure/ where it has that folder: an older checkout has no copy of its own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p "${OUT:-bench_gpu_out}"
 out=$(cd "${OUT:-bench_gpu_out}" && pwd)
+export PYTHONUNBUFFERED=1
+carry_harness() {  # carry_harness TREE: this tree's benchmark scripts into TREE
+  cp scripts/bench_host.py scripts/bench_step.py "$1/scripts/"
+  if [[ -d "$1/layup_jax/measure" ]]; then
+    cp layup_jax/measure/bench_options.py "$1/layup_jax/measure/"
+  fi
+}
+
+if [[ "${1:-}" == rounds ]]; then
+  if [[ $# -ne 5 ]]; then
+    echo "error: usage: bash scripts/bench_gpu.sh rounds HOST_BEFORE HOST_ROUNDS STEP_BEFORE STEP_ROUNDS" >&2
+    exit 2
+  fi
+  work=$(mktemp -d)
+  host_before=$2 host_rounds=$3 step_before=$4 step_rounds=$5
+  for tree in "$host_before" "$step_before"; do
+    carry_harness "$tree"
+  done
+  collect() {  # every finished run's JSON into one file per benchmark, the logs into one archive
+    python3 - "$work" "$out" <<'PY'
+import glob, json, os, sys
+work, out = sys.argv[1:]
+for bench in ("host", "step"):
+  rounds = {}
+  for path in sorted(glob.glob(os.path.join(work, f"{bench}_*_*.json"))):
+    with open(path) as f:
+      rounds[os.path.basename(path)[:-5]] = json.load(f)
+  if rounds:
+    with open(os.path.join(out, f"{bench}_rounds.json"), "w") as f:
+      json.dump(rounds, f, indent=1)
+PY
+    (cd "$work" && tar czf "$out/logs.tar.gz" ./*.log)
+  }
+  round_run() {  # name limit command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s)"
+    timeout "$limit" "$@" > "$work/$name.log" 2>&1
+    echo "exit $? after ${SECONDS}s"
+    tail -n 3 "$work/$name.log"
+    collect
+  }
+  for round in $(seq "$host_rounds"); do
+    for tree in . "$host_before"; do
+      tag=$([[ "$tree" == "." ]] && echo head || echo before)
+      (cd "$tree" && JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+        round_run "host_${tag}_$round" 90 python3 scripts/bench_host.py --cases resnet18-cifar \
+        --algorithms layup --repeats 10 --steps 15 --out "$work/host_${tag}_$round.json")
+    done
+  done
+  for round in $(seq "$step_rounds"); do
+    for tree in . "$step_before"; do
+      tag=$([[ "$tree" == "." ]] && echo head || echo before)
+      (cd "$tree" && round_run "step_${tag}_$round" 90 python3 scripts/bench_step.py \
+        --cases resnet18-cifar-b128 --sides runtime fused --repeats 5 \
+        --out "$work/step_${tag}_$round.json")
+    done
+  done
+  exit 0
+fi
+
 before="${1:-}"
 trees=(".")
 if [[ -n "$before" ]]; then
-  cp scripts/bench_host.py scripts/bench_step.py scripts/allocator_choice.py \
-    scripts/perfetto_events.py "$before/scripts/"
+  carry_harness "$before"
   trees+=("$before")
 fi
-export PYTHONUNBUFFERED=1
 if [[ -f .whl/libtcmalloc_minimal.so.4 ]]; then  # an image without TCMalloc: the carried copy
   export LD_LIBRARY_PATH="$PWD/.whl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
@@ -128,7 +207,7 @@ if [[ "${REMAT:-0}" == 1 ]]; then
 fi
 if [[ "${DISPATCH:-0}" == 1 ]]; then
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-    run dispatch 150 python3 scripts/bench_dispatch.py --repeats 1 --updater-thread on \
+    run dispatch 150 python3 scripts/bench_host.py dispatch --repeats 1 --updater-thread on \
     --out "$out/bench_dispatch.json"
 fi
 (cd "$out" && tar czf logs.tar.gz ./*.log && rm -f ./*.log)

@@ -47,12 +47,9 @@ from collections.abc import Callable
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import allocator_choice
 import jax
 import numpy as np
-import perfetto_events
 
 from configs import base
 from layup_jax import data, models, optim
@@ -60,7 +57,7 @@ from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
 from layup_jax.algorithms.layup import LayUp
 from layup_jax.data.pipeline import Batch, random_image_batches
-from layup_jax.measure import provenance
+from layup_jax.measure import bench_options, provenance
 from layup_jax.measure.flops import PEAK_FLOPS, compiled, flops_of
 from layup_jax.measure.sidebyside import interleaved, median_ratio, serial_block, threaded_block
 from layup_jax.runtime.engine import AsyncRuntime
@@ -156,7 +153,7 @@ def trace_summary(trace_dir: pathlib.Path, iters: int, top: int = 8) -> dict:
   """Per process of the newest perfetto trace under `trace_dir`: milliseconds per iteration its
   events cover, events per iteration, and its `top` event names by total time (ms and count per
   iteration)."""
-  _, events = perfetto_events.newest(trace_dir)
+  _, events = bench_options.newest_perfetto(trace_dir)
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   spans, by_name = collections.defaultdict(list), collections.defaultdict(collections.Counter)
@@ -324,10 +321,10 @@ def main() -> None:
   parser.add_argument("--trace", type=pathlib.Path, default=None, metavar="DIR",
                       help="after the timed rounds, trace one block of each side into DIR and "
                            "report each trace's processes (on a GPU, the device's kernels)")
-  allocator_choice.add_option(parser)
+  bench_options.add_option(parser)
   parser.add_argument("--out", default="bench_step.json")
   args = parser.parse_args()
-  host_allocator = allocator_choice.use(args.allocator)
+  host_allocator = bench_options.use(args.allocator)
 
   sides = set(args.sides) | {"fused"}
   rows = [bench_case(case, args.repeats, args.iters, sides, args.trace) for case in args.cases]

@@ -26,13 +26,11 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import allocator_choice
 import jax
 
 from configs import base
-from layup_jax.measure import provenance
+from layup_jax.measure import bench_options, provenance
 from layup_jax.run import runner
 
 
@@ -47,10 +45,10 @@ def main() -> None:
   parser.add_argument("--straggler", type=int, default=0)
   parser.add_argument("--num-steps", type=int, default=150)
   parser.add_argument("--repeats", type=int, default=3)
-  allocator_choice.add_option(parser)
+  bench_options.add_option(parser)
   parser.add_argument("--out", default="bench_straggler.json")
   args = parser.parse_args()
-  host_allocator = allocator_choice.use(args.allocator)
+  host_allocator = bench_options.use(args.allocator)
 
   runs = []
   for repeat in range(args.repeats):

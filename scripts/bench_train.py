@@ -42,14 +42,18 @@ from layup_jax.measure import provenance
 
 # `python -c SPLIT_CORES <module> <its arguments>`: the module run as `python -m` runs it, after
 # the process has started again under the allocator (as the command itself would) and split its
-# cores (bench_host.split_cores) before anything of JAX's backend exists.
+# cores (layup_jax.measure.bench_options.split_cores) before anything of JAX's backend exists:
+# with the fake devices the command would make (layup_jax/train.py's default, which it sets on
+# import, once the backend here has started).
 SPLIT_CORES = """
-import runpy, sys
+import os, runpy, sys
 from layup_jax.platform import allocator
 allocator.use("auto")
-sys.path.insert(0, "scripts")
-import bench_host
-bench_host.split_cores()
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8")
+from layup_jax.measure import bench_options
+bench_options.split_cores()
 module, sys.argv = sys.argv[1], sys.argv[1:]
 runpy.run_module(module, run_name="__main__", alter_sys=True)
 """

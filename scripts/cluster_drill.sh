@@ -13,17 +13,34 @@
 # use (taskset), as a host's own cores would be, so that no two hosts share a core; without it
 # every process may run on any of them.
 #
+# Two unshaped hosts (what scripts/netns_drill.sh ran) are `--hosts 2` without --rate.
+#
+# Each process gets the caller's XLA_FLAGS (any, or none) with its own
+# --xla_force_host_platform_device_count=D in place of one given there. The training command is
+# `$PYTHON -m layup_jax.train` (PYTHON default: python).
+#
 # Process 0's output is shown, the others' prefixed [pK]. At the end one line per host gives the
 # bytes it sent and received over its link (the interface's counters: everything, collectives,
 # gossip and the coordination service); --stats FILE writes them as JSON. Everything it creates
 # (namespaces, veth pairs, the bridge, /etc/netns/<ns>) is removed on exit, also on Ctrl-C or a
-# failure; it refuses to start, in one line, if it is not root or one of its namespaces exists.
-# Exits with the first failing process's status.
-set -euo pipefail
+# failure; it refuses to start, in one line on stderr, if it is not root or one of its
+# namespaces exists. Exits with the first failing process's status, naming it on stderr; any
+# other early exit says why in one line on stderr (a refusal, an interrupt, or the command that
+# failed and its line).
+set -Eeuo pipefail
+me=cluster_drill.sh
+# A command that fails where nothing expects it ends the script (set -e): the line says which.
+# Only this shell's: a subshell's failure (a command substitution, a host's pipeline) comes back
+# here as its own.
+trap 'failed_with=$?; [ "$BASHPID" != "$$" ] || echo "error: $me: line $LINENO: \"$BASH_COMMAND\" failed with status $failed_with" >&2' ERR
 cd "$(dirname "$0")/.."
 usage="usage: cluster_drill.sh --hosts N --devices-per-host D [--rate RATE] [--cpus-per-host C] [--stats FILE] -- <train arguments>"
 HOSTS="" PER_HOST="" RATE="" STATS="" CPUS_PER_HOST=""
 while [ $# -gt 0 ]; do
+  case $1 in
+    --hosts|--devices-per-host|--rate|--cpus-per-host|--stats)
+      [ $# -ge 2 ] || { echo "error: $1 takes a value; $usage" >&2; exit 2; } ;;
+  esac
   case $1 in
     --hosts) HOSTS=$2; shift 2 ;;
     --devices-per-host) PER_HOST=$2; shift 2 ;;
@@ -38,7 +55,7 @@ done
   || { echo "error: --hosts takes 2 to 32; $usage" >&2; exit 2; }
 [[ "$PER_HOST" =~ ^[0-9]+$ && "$PER_HOST" -ge 1 ]] \
   || { echo "error: --devices-per-host takes a positive number; $usage" >&2; exit 2; }
-[[ -z "$RATE" || "$RATE" =~ ^[0-9.]+(bit|kbit|mbit|gbit)$ ]] \
+[[ -z "$RATE" || "$RATE" =~ ^[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit)$ ]] \
   || { echo "error: --rate takes a tc rate such as 20mbit or 1gbit, not $RATE" >&2; exit 2; }
 [ $# -gt 0 ] || { echo "error: give the train arguments after --; $usage" >&2; exit 2; }
 CPUS=()  # host k's CPU list for taskset, with --cpus-per-host
@@ -105,8 +122,8 @@ cleanup() {
   if [ "$made_etc_netns" = 1 ]; then rmdir /etc/netns 2> /dev/null || true; fi
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+trap 'echo "error: $me: interrupted (SIGINT)" >&2; exit 130' INT
+trap 'echo "error: $me: terminated (SIGTERM)" >&2; exit 143' TERM
 
 shape() {  # shape [ip netns exec NS] DEVICE: tbf at RATE on DEVICE's egress
   [ -z "$RATE" ] && return
@@ -129,27 +146,36 @@ for ((k = 0; k < HOSTS; k++)); do
   shape tc qdisc add dev "layup_b$k"  # what host k receives
 done
 
-FLAGS="$(echo "${XLA_FLAGS:-}" | tr ' ' '\n' | grep -v xla_force_host_platform_device_count | tr '\n' ' ')"
+# The caller's XLA flags but its device count, which each process gets its own of (none given,
+# only the count, or others beside it: a pipeline through `grep -v` ended the script, without a
+# word, on the second).
+read -r -a given <<< "${XLA_FLAGS:-}"
+FLAGS=""
+for flag in "${given[@]}"; do
+  [[ "$flag" == *xla_force_host_platform_device_count* ]] || FLAGS+="$flag "
+done
 started=$(date +%s.%N)
 # Each process's exit status goes to a file: `wait` on a background pipeline that ended while
 # the script waited for another returns its last command's status (sed's), not the process's.
+# The process's own output goes through sed; the subshell's (bash's "Killed" with the whole
+# command line, for a process killed by a signal) is dropped: the status names it.
 STATUSES=$(mktemp -d)
 pids=()
 for ((k = 0; k < HOSTS; k++)); do
   prefix=""; [ "$k" -gt 0 ] && prefix="[p$k] "
   pin=(); [ -n "$CPUS_PER_HOST" ] && pin=(taskset -c "${CPUS[$k]}")
-  { ip netns exec "${NS[$k]}" "${pin[@]}" env XLA_FLAGS="$FLAGS --xla_force_host_platform_device_count=$PER_HOST" \
+  { ip netns exec "${NS[$k]}" "${pin[@]}" env XLA_FLAGS="$FLAGS--xla_force_host_platform_device_count=$PER_HOST" \
       PYTHONUNBUFFERED=1 "${PYTHON:-python}" -m layup_jax.train "$@" \
       "--config.distributed.coordinator_address=${ADDR[0]}:$PORT" \
       "--config.distributed.num_processes=$HOSTS" "--config.distributed.process_id=$k" 2>&1 \
-      && echo 0 > "$STATUSES/$k" || echo $? > "$STATUSES/$k"; } | sed -u "s/^/$prefix/" &
+      && echo 0 > "$STATUSES/$k" || echo $? > "$STATUSES/$k"; } 2> /dev/null | sed -u "s/^/$prefix/" &
   pids+=($!)
 done
 wait "${pids[@]}" || true
-status=0
+status=0 failed=""
 for ((k = 0; k < HOSTS; k++)); do
   code=$(cat "$STATUSES/$k" 2> /dev/null || echo 1)
-  [ "$status" = 0 ] && status=$code
+  if [ "$status" = 0 ] && [ "$code" != 0 ]; then status=$code failed=$k; fi
 done
 elapsed=$(awk "BEGIN { print $(date +%s.%N) - $started }")
 
@@ -165,4 +191,7 @@ if [ -n "$STATS" ]; then
   printf '{"hosts": %d, "devices_per_host": %d, "rate": "%s", "cpus_per_host": %s, "wall_s": %s, "status": %d, "links": [%s]}\n' \
       "$HOSTS" "$PER_HOST" "${RATE:-unshaped}" "${CPUS_PER_HOST:-null}" "$elapsed" "$status" "$joined" > "$STATS"
 fi
-exit $status
+if [ "$status" != 0 ]; then
+  echo "error: $me: process $failed (host $failed) ended with status $status" >&2
+fi
+exit "$status"

@@ -483,7 +483,7 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
   if path.exists():
     bench = json.loads(path.read_text())
     table = bench["table"]
-    lines += ["", "### Threads and gossip (`scripts/bench_runtime.py`)", "",
+    lines += ["", "### Threads and gossip (`scripts/bench_host.py runtime`)", "",
               f"Medians of {bench['args']['repeats']} side-by-side repeats.", "",
               "| measure | median | target |", "|---|---|---|",
               (f"| one device: runtime / bare staged step | {table['one_device_ratio']:.3f} | "
@@ -494,8 +494,8 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
   path = results / "bench_ahead.json"
   if path.exists():
     bench = json.loads(path.read_text())
-    lines += ["", ("### How far a compute thread dispatches ahead (`scripts/bench_runtime.py "
-              "--ahead`)"), "",
+    lines += ["", ("### How far a compute thread dispatches ahead (`scripts/bench_host.py "
+              "runtime --ahead`)"), "",
               (f"Digits, {bench['args']['num_devices']} devices, `tuning.max_dispatch_ahead` = "
                "iterations a compute thread may dispatch before its device has produced the "
                "oldest one's loss; time per step and consensus test accuracy after 70 steps "
@@ -522,7 +522,8 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
   if path.exists():
     bench = json.loads(path.read_text())
     args = bench["args"]
-    lines += ["", "### The push-sum average under threads (`scripts/bench_pushsum.py`)", "",
+    lines += ["", ("### The push-sum average under threads (the probe `scripts/bench_pushsum.py`, "
+              "removed after 0475d86; tests/test_runtime.py holds the invariant)"), "",
               (f"Digits, {args['num_devices']} devices, {args['iterations']} threaded "
                f"iterations each at learning rate 0, replicas made distinct (noise "
                f"{args['noise']}): how far each stage's push-sum average moved (relative L2; "
@@ -555,7 +556,7 @@ def benchmark_tables(results: pathlib.Path) -> list[str]:
   if measured:
     lines = ["", "Measured: " + "; ".join(measured) + "."] + lines
   return (["", "## Benchmarks", "", ("Each script prints its table and writes the JSON read "
-           "here; see [measurements.md](measurements.md#the-benchmark-scripts) for the commands.")] + lines) if lines else []
+           "here; see [scripts/README.md](../scripts/README.md) for the commands.")] + lines) if lines else []
 
 
 def device_straggler_table(results: pathlib.Path) -> list[str]:
@@ -690,7 +691,7 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
   return (["", "## Several hosts", "",
            ("Each host is a network namespace on this machine (`scripts/cluster_drill.sh`): one "
             "process per host with its devices, the hosts' links shaped with the kernel's token "
-            "bucket at the rate given in both directions (docs/multihost.md, \"Gossip on a slow "
+            "bucket at the rate given in both directions (docs/records/multihost.md, \"Gossip on a slow "
             "link\").")] + lines)
 
 

@@ -4,7 +4,7 @@
         --algorithms layup ddp gosgd --seeds 0 1 2 --delays 0 1 2 4 \\
         --set num_epochs=20 --set eval_every=10 --set metrics.target_accuracy=0.95
 
-Each run is `layup_jax.runner.run` (the same code as `python -m layup_jax.train`) in this
+Each run is `layup_jax.run.runner.run` (the same code as `python -m layup_jax.train`) in this
 process, one after another, in `WORKDIR/delay<d>/<algorithm>-seed<s>` (`metrics.jsonl`,
 `summary.json`); a straggler delay d idles device 0 for d iterations' time before each of its
 iterations (`straggler.device=0`, `straggler.delay_iters=d`). A run whose `summary.json`
@@ -24,6 +24,22 @@ ablation is a `--variant LABEL` with its `--set` overrides: its runs go to
 `--mock-tfds N` trains on records from `tfds.testing.mock_data` (random values of the
 dataset's real shapes and dtypes, N per split) instead of a prepared TFDS data dir: for timings
 on a machine without the data; accuracies are then those of random labels.
+
+`--every-algorithm` (was scripts/every_algorithm.py) runs every algorithm by name on one config
+(or those of `--algorithms`), as a user types it, and prints the accuracy each reaches: for
+each it runs the two command lines a user would try,
+
+  python -m layup_jax.train --config CONFIG:ALGORITHM
+  python -m layup_jax.train --config CONFIG --config.algorithm=ALGORITHM
+
+each its own process in a scratch folder (no `--workdir`), and reads the final consensus test
+accuracy from the run's summary.json; the one-line notes a run prints at start (`note: ...`: no
+column for the algorithm, or values kept from another column) are shown with it. It writes the
+rows to `--out` (default every_algorithm.json) and exits 1 if a run fails or ends below
+`--min-accuracy`. The sweep's other options do not apply to it.
+
+  python scripts/sweep.py --every-algorithm --config configs/digits.py --min-accuracy 0.95 \\
+      --out docs/results/every_algorithm_digits.json
 """
 
 import argparse
@@ -34,8 +50,10 @@ import importlib.util
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -141,13 +159,60 @@ def mocked_tfds(config: ml_collections.ConfigDict, num_examples: int):
       yield
 
 
+def every_algorithm_run(command: list[str], workdir: str) -> dict:
+  """One `python -m layup_jax.train` command in its own process: its status, time, notes, and
+  the final accuracy from its summary (or its last line of error)."""
+  start = time.perf_counter()
+  done = subprocess.run([sys.executable, "-m", "layup_jax.train", *command,
+                         f"--workdir={workdir}", "--config.progress_bar=False"],
+                        check=False, capture_output=True, text=True)
+  row = {"command": " ".join(["python -m layup_jax.train", *command]), "rc": done.returncode,
+         "seconds": round(time.perf_counter() - start, 1),
+         "notes": [line for line in done.stderr.splitlines() if line.startswith("note:")]}
+  if done.returncode == 0:
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+    row.update(accuracy=summary["final_eval_accuracy"], algorithm=summary["algorithm"])
+  else:
+    row["error"] = (done.stderr.strip().splitlines() or ["?"])[-1]
+  return row
+
+
+def every_algorithm(config: str, names: list[str], min_accuracy: float, out: str) -> None:
+  """`--every-algorithm`: each algorithm by name, both ways a user types it; exits 1 if a run
+  fails or ends below `min_accuracy`."""
+  rows = []
+  with tempfile.TemporaryDirectory() as scratch:
+    for algorithm in names:
+      for form, command in (("suffix", [f"--config={config}:{algorithm}"]),
+                            ("override", [f"--config={config}",
+                                          f"--config.algorithm={algorithm}"])):
+        row = {"algorithm": algorithm, "form": form,
+               **every_algorithm_run(command, os.path.join(scratch, f"{algorithm}-{form}"))}
+        rows.append(row)
+        print(f"{algorithm:10s} {form:8s} rc {row['rc']} accuracy {row.get('accuracy', '-')}"
+              f" {row['seconds']} s {' '.join(row['notes'])}{row.get('error', '')}", flush=True)
+  ok = all(r["rc"] == 0 and r["accuracy"] >= min_accuracy for r in rows)
+  print(f"\n| algorithm | `{config}:<algorithm>` | `--config.algorithm=<algorithm>` |")
+  print("|---|---|---|")
+  for algorithm in names:
+    cells = [f"{r['accuracy']:.4f}" if r["rc"] == 0 else f"failed: {r['error']}"
+             for r in rows if r["algorithm"] == algorithm]
+    print(f"| {algorithm} | {' | '.join(cells)} |")
+  with open(out, "w") as f:
+    json.dump({"config": config, "min_accuracy": min_accuracy, "all_reached": ok,
+               "code_version": provenance.code_version(), "rows": rows}, f, indent=1)
+  print(f"\nevery run reached {min_accuracy}: {ok} (JSON in {out})")
+  sys.exit(0 if ok else 1)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", required=True,
                       help="a config file, e.g. configs/digits.py (its paper column per algorithm)")
-  parser.add_argument("--workdir", required=True)
-  parser.add_argument("--algorithms", nargs="+", default=["layup", "ddp"],
-                      choices=algorithms.names())
+  parser.add_argument("--workdir", help="the sweep's folder (required but with --every-algorithm)")
+  parser.add_argument("--algorithms", nargs="+", default=None, choices=algorithms.names(),
+                      help="default: layup ddp (with --every-algorithm: every algorithm)")
   parser.add_argument("--seeds", nargs="+", type=int, default=[0])
   parser.add_argument("--delays", nargs="+", type=float, default=[0.0])
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -161,7 +226,21 @@ def main() -> None:
                       help="an ablation: its runs are <algorithm>@LABEL, the --set overrides "
                            "recorded under LABEL in sweep.json")
   parser.add_argument("--force", action="store_true", help="rerun runs that have a summary")
+  parser.add_argument("--every-algorithm", action="store_true",
+                      help="each algorithm by name once on --config, both ways a user types it, "
+                           "and the accuracy each reaches (no sweep)")
+  parser.add_argument("--min-accuracy", type=float, default=0.95,
+                      help="with --every-algorithm: exit 1 if a run ends below it")
+  parser.add_argument("--out", default="every_algorithm.json",
+                      help="with --every-algorithm: the rows as JSON")
   args = parser.parse_args()
+  if args.every_algorithm:
+    every_algorithm(args.config, args.algorithms or algorithms.names(), args.min_accuracy,
+                    args.out)
+    return
+  if not args.workdir:
+    parser.error("the following arguments are required: --workdir")
+  args.algorithms = args.algorithms or ["layup", "ddp"]
 
   module = load_config_module(args.config)
   overrides = [parse_assignment(assignment) for assignment in args.set]

@@ -20,13 +20,14 @@ from layup_jax.platform import allocator
 # starts its own, and reports where every thread may run and what it was given.
 _PROBE = r"""
 import json, os, sys, threading
-import bench_host, jax, numpy as np
+import jax, numpy as np
+from layup_jax.measure import bench_options
 from layup_jax.platform import allocator
 jax.block_until_ready([jax.device_put(np.ones(4096, np.float32), d).sum() for d in jax.devices()])
 seen = {}
 thread = threading.Thread(target=lambda: seen.update(cpus=sorted(os.sched_getaffinity(0))))
 thread.start(); thread.join()
-xla = sorted({cpus for name, cpus in bench_host.thread_affinities().values()
+xla = sorted({cpus for name, cpus in bench_options.thread_affinities().values()
               if "XLA" in name or "Eigen" in name})
 print(json.dumps({"argv": sys.argv[1:], "main": sorted(os.sched_getaffinity(0)),
                   "started": seen["cpus"], "xla": xla, "devices": len(jax.devices()),

@@ -293,6 +293,13 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
   assert row["failed"] == "status 1: boom"
   # A process that said what went wrong is named, not the drill's last line (its link counters).
   bench.run_drill = lambda command: subprocess.CompletedProcess(
-      command, 2, "[p1] error: data not found\nhost 1 sent 3 kB, received 4 kB over its link\n", "")
+      command, 2, "[p1] error: data not found\nhost 1 sent 3 kB, received 4 kB over its link\n",
+      "error: cluster_drill.sh: process 1 (host 1) ended with status 2\n")
   row = bench.run("2x4", "unshaped", "ddp", [], 0, args, str(tmp_path))
   assert row["failed"] == "status 2: [p1] error: data not found"
+  # A drill that stopped before any process said why: its own line.
+  bench.run_drill = lambda command: subprocess.CompletedProcess(
+      command, 2, "", "error: cluster_drill.sh: line 140: \"ip link add\" failed with status 2\n")
+  row = bench.run("2x4", "unshaped", "ddp", [], 0, args, str(tmp_path))
+  assert row["failed"] == ('status 2: error: cluster_drill.sh: line 140: "ip link add" failed '
+                           'with status 2')

@@ -5,7 +5,7 @@ clock advances by the host's own work and by waiting for outputs. The clock's st
 (`layup_jax.runtime.scheduler`), driven here with the simulated device's waits. Timings on the CPU these
 tests share with others are not reproducible (under the multi-process tests beside them a
 cycle's slowdown over a period timed before it ranged 1.55x to 6.9x in 25 runs);
-scripts/bench_straggler_device.py measures the clock on real devices.
+`scripts/bench_straggler.py --mode device` measures the clock on real devices.
 """
 
 import itertools

@@ -1,5 +1,15 @@
-"""Input pipeline throughput: batches per second of one device's pipeline, against the step rate
-it must feed.
+"""Input and output against training, in two modes (the first argument).
+
+  input       input pipeline throughput: batches per second of one device's pipeline, against
+              the step rate it must feed
+  checkpoint  training time with checkpoints every N steps against the same run without
+
+    python scripts/bench_io.py input --repeats 3 --out runs/bench_input.json
+    python scripts/bench_io.py checkpoint --every 50 --repeats 3 --out bench_checkpoint.json
+
+`python scripts/bench_io.py MODE --help` lists a mode's options.
+
+## input (was scripts/bench_input.py)
 
 Each case runs the project's real pipeline (`TrainIterator`: shard indices, host threads,
 augmentation, batching) over records shaped like the prepared TFDS dataset's: images are
@@ -11,26 +21,43 @@ library) or generated reviews of IMDb's mean length. No dataset needs to be prep
 (A100, CIFAR-100 batch 128, its appendix), the H100 GPT-2 step measured with
 scripts/bench_step.py, or a stated estimate. A pipeline keeps up when its rate is above it.
 
-    python scripts/bench_input.py --repeats 3 --out runs/bench_input.json
+## checkpoint (was scripts/bench_checkpoint.py)
+
+Each repeat runs both back to back (in alternating order), so each ratio compares runs taken
+side by side; the table reports medians over repeats. Time per step is the run's training time
+(`wall_time_s`: compilation and evaluation excluded, the time training waits for a checkpoint
+save included) over its steps. Evaluation only at the end, so every checkpoint adds its own
+pause of the threads. `--allocator` as the other benchmarks' (layup_jax/measure/bench_options.py).
 """
 
 import argparse
 import io
 import json
+import os
 import pathlib
 import platform
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-
+from configs import digits as digits_config
 from layup_jax.data import TrainIterator, digits, text, vision
 from layup_jax.data.sources import RecordSource
+from layup_jax.measure import bench_options
+from layup_jax.run import runner
+
+MODES = ("input", "checkpoint")
+
+# --- input --------------------------------------------------------------------------------------
 
 
 class EncodedImages:
@@ -110,15 +137,18 @@ def measure(split, batch_size: int, batches: int, read_threads: int, prefetch: i
   return batches / (time.perf_counter() - start)
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main_input(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(
+      prog="bench_io.py input",
+      description="Input pipeline throughput: batches per second of one device's pipeline, "
+                  "against the step rate it must feed.")
   parser.add_argument("--cases", nargs="*", default=list(CASES))
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--seconds", type=float, default=3.0, help="rough time per repeat")
   parser.add_argument("--read-threads", type=int, default=2)
   parser.add_argument("--prefetch", type=int, default=4)
   parser.add_argument("--out", default="runs/bench_input.json")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
 
   rows, splits = [], {}
   for name in args.cases:
@@ -138,7 +168,7 @@ def main() -> None:
 
   print(f"\nOne device's pipeline, {args.read_threads} read threads, prefetch {args.prefetch}, "
         f"median of {args.repeats}; {platform.processor() or platform.machine()}, "
-        f"{__import__('os').cpu_count()} cores")
+        f"{os.cpu_count()} cores")
   print("| pipeline | batch | batches/s | samples/s | needed batches/s | ratio | needed from |")
   print("|---|---|---|---|---|---|---|")
   for r in rows:
@@ -148,8 +178,80 @@ def main() -> None:
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"read_threads": args.read_threads, "prefetch": args.prefetch,
-                             "cpu_count": __import__("os").cpu_count(), "rows": rows}, indent=2))
+                             "cpu_count": os.cpu_count(), "rows": rows}, indent=2))
   print(f"wrote {out}")
+
+
+# --- checkpoint -----------------------------------------------------------------------------------
+
+
+def main_checkpoint(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(
+      prog="bench_io.py checkpoint",
+      description="Training time with checkpoints every N steps against the same run without "
+                  "checkpoints.")
+  parser.add_argument("--algorithms", nargs="+", default=["layup", "ddp"])
+  parser.add_argument("--every", type=int, default=50)
+  parser.add_argument("--num-devices", type=int, default=8)
+  parser.add_argument("--repeats", type=int, default=3)
+  bench_options.add_option(parser)
+  parser.add_argument("--out", default="bench_checkpoint.json")
+  args = parser.parse_args(argv)
+  host_allocator = bench_options.use(args.allocator)
+  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="layup_jax_cache_"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+  runs = []
+  for repeat in range(args.repeats):
+    for algorithm in args.algorithms:
+      order = ["none", "every"] if repeat % 2 == 0 else ["every", "none"]
+      for mode in order:
+        config = digits_config.get_config(algorithm)
+        config.num_devices, config.eval_every, config.progress_bar = args.num_devices, 0, False
+        config.checkpoint.enabled = mode == "every"
+        config.checkpoint.every = args.every
+        with tempfile.TemporaryDirectory() as workdir:
+          summary = runner.run(config, workdir)
+        per_step = summary["wall_time_s"] / summary["num_steps"]
+        runs.append({"repeat": repeat, "algorithm": algorithm, "mode": mode,
+                     "seconds_per_step": per_step, **summary})
+        print(f"repeat {repeat} {algorithm:>6} checkpoints {mode:>5}: {1e3 * per_step:.2f} ms/step",
+              flush=True)
+
+  def per_step(algorithm, mode, repeat):
+    return next(r["seconds_per_step"] for r in runs if r["algorithm"] == algorithm
+                and r["mode"] == mode and r["repeat"] == repeat)
+
+  table = []
+  print(f"\n{'algorithm':<10}{'none ms/step':>14}{f'every {args.every} ms/step':>20}"
+        f"{'ratio':>8}")
+  for algorithm in args.algorithms:
+    ratios = [per_step(algorithm, "every", r) / per_step(algorithm, "none", r)
+              for r in range(args.repeats)]
+    row = {"algorithm": algorithm, "every": args.every,
+           "none_ms_per_step": 1e3 * statistics.median(
+               per_step(algorithm, "none", r) for r in range(args.repeats)),
+           "every_ms_per_step": 1e3 * statistics.median(
+               per_step(algorithm, "every", r) for r in range(args.repeats)),
+           "ratio_median": statistics.median(ratios), "ratios": ratios}
+    table.append(row)
+    print(f"{algorithm:<10}{row['none_ms_per_step']:>14.2f}{row['every_ms_per_step']:>20.2f}"
+          f"{row['ratio_median']:>8.3f}")
+  with open(args.out, "w") as f:
+    json.dump({"host_allocator": host_allocator, "table": table, "runs": runs,
+               "devices": [str(d) for d in jax.devices()]}, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
+  if argv and argv[0] in ("-h", "--help"):
+    print(__doc__)
+    return
+  if not argv or argv[0] not in MODES:  # refused as argparse refuses: one line, status 2
+    print(f"error: the first argument is a mode, one of {', '.join(MODES)} "
+          f"(got {argv[0] if argv else 'none'}); see --help", file=sys.stderr)
+    sys.exit(2)
+  {"input": main_input, "checkpoint": main_checkpoint}[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

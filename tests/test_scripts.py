@@ -1,0 +1,90 @@
+"""The scripts with modes (scripts/README.md): each mode takes its own options, a script without a
+default mode refuses a missing or unknown one in one line, and `sweep.py --every-algorithm`
+judges and records its runs."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _script(name: str):
+  spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _main(name: str, argv: list[str]) -> int | str | None:
+  """`scripts/NAME.py ARGV`'s exit status (0 after --help, 2 for a bad option or mode)."""
+  try:
+    _script(name).main(argv)
+  except SystemExit as done:
+    return done.code
+  return 0
+
+
+@pytest.mark.parametrize("name, argv, option", [
+    ("bench_io", ["input", "--help"], "--read-threads"),
+    ("bench_io", ["checkpoint", "--help"], "--every"),
+    ("bench_cluster", ["--help"], "processes"),
+    ("bench_cluster", ["hosts", "--help"], "--cpus-per-host"),
+    ("bench_cluster", ["processes", "--help"], "--layouts"),
+    ("drill_process_loss", ["--help"], "kill-resume"),
+    ("drill_process_loss", ["kill-resume", "--help"], "--checkpoint-every"),
+    ("drill_process_loss", ["elastic", "--help"], "--kill-during-save"),
+    ("drill_process_loss", ["vanish", "--help"], "--slow"),
+])
+def test_each_mode_takes_its_own_options(capsys, name, argv, option):
+  assert _main(name, argv) == 0
+  assert option in capsys.readouterr().out
+
+
+def test_bench_cluster_without_a_mode_is_the_hosts_benchmark(capsys):
+  assert _main("bench_cluster", ["--rates", "20mbit", "--repeats-typo", "1"]) == 2
+  assert "bench_cluster.py [hosts]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["bench_io", "drill_process_loss"])
+@pytest.mark.parametrize("argv", [[], ["--repeats", "1"], ["inputs"]])
+def test_a_missing_or_unknown_mode_is_refused_in_one_line(capsys, name, argv):
+  assert _main(name, argv) == 2
+  said = capsys.readouterr().err.splitlines()
+  assert len(said) == 1 and said[0].startswith("error: the first argument is a mode, one of ")
+
+
+def test_a_sweep_needs_a_workdir_but_every_algorithm_does_not(monkeypatch, tmp_path, capsys):
+  sweep = _script("sweep")
+  monkeypatch.setattr("sys.argv", ["sweep.py", "--config", "configs/digits.py"])
+  with pytest.raises(SystemExit) as refused:
+    sweep.main()
+  assert refused.value.code == 2
+  assert "--workdir" in capsys.readouterr().err
+  # Every algorithm, both ways a user types it: the rows recorded, exit 1 when one falls short.
+  made = []
+
+  def run(command, workdir):
+    made.append(command)
+    accuracy = 0.5 if "ddp" in command[-1] else 0.97
+    return {"command": " ".join(command), "rc": 0, "seconds": 1.0, "notes": [],
+            "accuracy": accuracy}
+
+  monkeypatch.setattr(sweep, "every_algorithm_run", run)
+  out = tmp_path / "every.json"
+  monkeypatch.setattr("sys.argv", ["sweep.py", "--every-algorithm", "--config", "configs/digits.py",
+                                   "--algorithms", "layup", "ddp", "--out", str(out)])
+  with pytest.raises(SystemExit) as done:
+    sweep.main()
+  assert done.value.code == 1  # DDP's 0.5 is below the default 0.95
+  assert made == [["--config=configs/digits.py:layup"],
+                  ["--config=configs/digits.py", "--config.algorithm=layup"],
+                  ["--config=configs/digits.py:ddp"],
+                  ["--config=configs/digits.py", "--config.algorithm=ddp"]]
+  record = json.loads(out.read_text())
+  assert record["all_reached"] is False and len(record["rows"]) == 4
+  assert [(r["algorithm"], r["form"]) for r in record["rows"]][:2] == [
+      ("layup", "suffix"), ("layup", "override")]
+  assert "| layup | 0.9700 | 0.9700 |" in capsys.readouterr().out
