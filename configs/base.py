@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   # The model (layup_jax.models).
   config.model = ml_collections.ConfigDict()
   config.model.name = "digits_resnet"  # a name in layup_jax.models.names()
-  config.model.num_classes = 10
+  config.model.num_classes = 10  # classes of a classifier's head
   config.model.widths = (16, 32, 64)  # digits_resnet: channels of its three widths
   config.model.blocks_per_stage = 1  # digits_resnet: basic blocks per width
   config.model.variant = "cifar"  # ResNets: "cifar" (3x3 stem) or "imagenet" (7x7, max-pool)
@@ -51,6 +51,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.dtype = "float32"  # compute dtype, "float32" or "bfloat16" (params stay float32)
   config.model.dropout = 0.0  # GPT-2 dropout rate
   config.model.vocab_size = 50257  # token models: vocabulary size
+  # GPT-2: pad the vocabulary to a multiple of this (64 or 128: matmul shapes a GPU takes whole);
+  # the padded tokens' logits are masked, so the loss is unchanged. 0 = no padding.
+  config.model.vocab_multiple = 0
+  # GPT-2's attention: "auto" (cuDNN flash attention where the devices are GPUs and it takes the
+  # shapes, else XLA's), "xla" or "cudnn".
+  config.model.attention = "auto"
   config.model.max_len = 1024  # GPT-2: context length (learned positions)
   config.model.hidden_size = 256  # LSTM: embedding and hidden width
   config.model.num_layers = 2  # LSTM: layers

@@ -13,7 +13,7 @@ give each its own the same way; on a cluster start one process per host or per G
 same keys, see the README.) Process 0's output is shown as is, the others' prefixed `[pK]`.
 When one process fails, the others are stopped and the launcher exits with its status; with
 `--keep-going`, a process other than 0 that fails is reported and the others go on (a gossip
-run trains on without it, docs/elastic.md; a DDP or periodic run stops itself in one line);
+run trains on without it, docs/guide/elastic.md; a DDP or periodic run stops itself in one line);
 with `--restart N` (implies `--keep-going`) it is also started again with its command, at most
 N times per process, while process 0 runs (LayUp and GoSGD take it back into the running run).
 """

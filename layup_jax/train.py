@@ -109,7 +109,7 @@ def main(argv: list[str]) -> None:
 
   stop, watchdog = StopRequest(), None
   try:
-    # A gossip run goes on when a process other than 0 is lost (docs/elastic.md).
+    # A gossip run goes on when a process other than 0 is lost (docs/guide/elastic.md).
     elastic = algorithms.get(config.algorithm).gossip if config.algorithm in algorithms.names() \
         else False
     if setup.initialize(config.distributed, recoverable=elastic):  # before any backend use

@@ -80,8 +80,8 @@ def test_the_default_config_is_valid(tiny_config):
      "error: config.optimizer.learning_rate=-1.0: must be >= 0"),
     ("--config.tuning.host_allocator=mimalloc",
      "error: config.tuning.host_allocator=mimalloc: must be one of auto, tcmalloc, jemalloc, system"),
-    ("--config.tuning.pack_stages=False",
-     "error: config key config.tuning.pack_stages is now config.tuning.pack_stages"),
+    ("--config.layup.pack_stages=False",
+     "error: config key config.layup.pack_stages is now config.tuning.pack_stages"),
 ])
 def test_the_cli_reports_a_bad_override_in_one_line(tmp_path, override, message):
   result = subprocess.run(

@@ -104,3 +104,82 @@ def test_a_missing_checkpoint_and_a_wrong_size_say_so(tmp_path):
   model = models.make_model(shallow)
   prefixes = gpt2_import.stage_prefixes(model.num_stages, per_layer=False)
   assert prefixes == ["", "h.0.", "h.1.", ""]
+
+
+def _tiny(vocab_multiple, attention="auto"):
+  config = base.get_config().model
+  config.update({"name": "gpt2", "size": "tiny", "vocab_size": VOCAB, "max_len": CTX,
+                 "vocab_multiple": vocab_multiple, "attention": attention})
+  return config
+
+
+def test_a_padded_vocabulary_leaves_the_logits_and_the_loss_as_they_were():
+  """64 rows for 48 tokens: the padded rows (random here, not zero) change no real token's
+  logit, the loss or its gradient, and no padded token is ever the most likely."""
+  plain, padded = models.make_model(_tiny(0)), models.make_model(_tiny(64))
+  tokens = np.random.default_rng(1).integers(0, VOCAB, (3, 12)).astype(np.int32)
+  labels = np.roll(tokens, -1, axis=1)
+  params, state = plain.init(jax.random.key(0), tokens)
+  padded_params, _ = padded.init(jax.random.key(0), tokens)
+  assert padded_params[0]["wte"]["embedding"].shape == (64, DIM)
+  extra = 0.5 * np.random.default_rng(2).normal(size=(64 - VOCAB, DIM)).astype(np.float32)
+  padded_params = [dict(p) for p in params]
+  padded_params[0] = {**params[0], "wte": {"embedding": np.concatenate(
+      [params[0]["wte"]["embedding"], extra])}}
+  key = jax.random.key(0)
+  logits, _ = plain.apply(params, state, tokens, key, 0, train=False)
+  padded_logits, _ = padded.apply(padded_params, state, tokens, key, 0, train=False)
+  np.testing.assert_allclose(np.asarray(padded_logits)[..., :VOCAB], np.asarray(logits),
+                             atol=1e-5, rtol=1e-5)
+  assert int(np.asarray(padded_logits).argmax(-1).max()) < VOCAB
+  loss = lambda model, p: model.loss(p, state, tokens, labels, key, 0)[0]
+  np.testing.assert_allclose(float(loss(padded, padded_params)), float(loss(plain, params)),
+                             atol=1e-5, rtol=1e-5)
+  grads = jax.grad(lambda p: loss(padded, p))(padded_params)
+  plain_grads = jax.grad(lambda p: loss(plain, p))(params)
+  wte_grad = np.asarray(grads[0]["wte"]["embedding"])
+  np.testing.assert_allclose(wte_grad[:VOCAB], np.asarray(plain_grads[0]["wte"]["embedding"]),
+                             atol=1e-5, rtol=1e-5)
+  assert not wte_grad[VOCAB:].any()  # the padded rows learn nothing
+
+
+def test_a_checkpoint_imported_into_a_padded_vocabulary_gives_the_numpy_logits(tmp_path):
+  tensors = write_checkpoint(tmp_path)
+  config = _tiny(64)
+  config.pretrained = str(tmp_path)
+  model = models.make_model(config)
+  tokens = np.random.default_rng(1).integers(0, VOCAB, (3, 12)).astype(np.int32)
+  params = models.load_pretrained(config, model, tokens)
+  wte = np.asarray(params[0]["wte"]["embedding"])
+  assert wte.shape == (64, DIM) and not wte[VOCAB:].any()
+  _, state = model.init(jax.random.key(0), tokens)
+  logits, _ = model.apply(params, state, tokens, jax.random.key(0), 0, train=False)
+  np.testing.assert_allclose(np.asarray(logits)[..., :VOCAB], numpy_gpt2_logits(tensors, tokens),
+                             atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["auto", "xla"])
+def test_attention_on_the_cpu_is_xlas(attention):
+  """On CPU devices "auto" is XLA's attention: the same logits, bit for bit."""
+  tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 12)).astype(np.int32)
+  chosen, xla = models.make_model(_tiny(0, attention)), models.make_model(_tiny(0, "xla"))
+  params, state = xla.init(jax.random.key(0), tokens)
+  key = jax.random.key(0)
+  np.testing.assert_array_equal(
+      np.asarray(chosen.apply(params, state, tokens, key, 0, train=False)[0]),
+      np.asarray(xla.apply(params, state, tokens, key, 0, train=False)[0]))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's attention needs a GPU")
+def test_cudnn_attention_matches_xlas_to_bf16_tolerance():
+  config = _tiny(0, "cudnn")
+  config.dtype = "bfloat16"
+  tokens = np.random.default_rng(1).integers(0, VOCAB, (4, CTX)).astype(np.int32)
+  cudnn = models.make_model(config)
+  config.attention = "xla"
+  xla = models.make_model(config)
+  params, state = xla.init(jax.random.key(0), tokens)
+  key = jax.random.key(0)
+  np.testing.assert_allclose(
+      np.asarray(cudnn.apply(params, state, tokens, key, 0, train=False)[0]),
+      np.asarray(xla.apply(params, state, tokens, key, 0, train=False)[0]), atol=2e-2, rtol=2e-2)

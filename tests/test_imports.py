@@ -42,5 +42,72 @@ def test_every_module_imports_on_its_own():
                           text=True, timeout=600, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(result.stdout.strip().splitlines()[-1])
-  assert "layup_jax.runtime" in report["modules"] and len(report["modules"]) >= 30
+  assert "layup_jax.runtime.engine" in report["modules"] and len(report["modules"]) >= 60
   assert report["failed"] == [], result.stderr[-3000:]
+
+
+# Which packages each package may import (its `__init__` docstring says the same): a DAG, so
+# imports run one way and no cycle can form between packages. Top-level modules are their own
+# entries; `configs` is the schema, readable from anywhere.
+_MAY_IMPORT = {
+    "errors": set(), "optim": set(), "platform": {"errors"}, "pushsum": set(),
+    "models": set(), "data": {"errors"}, "measure": {"models", "platform"},
+    "multiprocess": {"errors", "platform"},
+    "checkpoint": {"errors", "platform", "multiprocess"},
+    "runtime": {"errors", "platform", "pushsum", "models", "data", "measure", "multiprocess",
+                "checkpoint"},
+    "algorithms": {"errors", "optim", "platform", "pushsum", "models", "data", "measure",
+                   "multiprocess", "checkpoint", "runtime"},
+    "run": {"errors", "optim", "platform", "pushsum", "models", "data", "measure",
+            "multiprocess", "checkpoint", "runtime", "algorithms"},
+    "train": {"errors", "platform", "multiprocess", "checkpoint", "algorithms", "run"},
+    "launch": set(),
+}
+
+
+def _package_imports() -> dict[str, set[str]]:
+  """{package or top-level module: the project's packages and modules it imports}, read from
+  the source (every import, at module level or inside a function)."""
+  import ast
+
+  found: dict[str, set[str]] = {}
+  for path in sorted((ROOT / "layup_jax").rglob("*.py")):
+    parts = path.relative_to(ROOT / "layup_jax").with_suffix("").parts
+    if parts == ("__init__",):
+      continue
+    me = parts[0]
+    imported = found.setdefault(me, set())
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+               else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+      for name in names:
+        head, *rest = name.split(".")
+        if head == "layup_jax" and rest:
+          imported.add(rest[0])
+        elif head == "layup_jax" and isinstance(node, ast.ImportFrom):
+          imported.update(a.name for a in node.names)
+    imported.discard(me)
+  return found
+
+
+def test_packages_import_only_the_packages_below_them():
+  found = _package_imports()
+  assert set(found) == set(_MAY_IMPORT), "a package or top-level module is missing from the map"
+  assert {me: sorted(imported - _MAY_IMPORT[me]) for me, imported in found.items()
+          if imported - _MAY_IMPORT[me]} == {}
+
+
+def test_the_allowed_imports_have_no_cycle():
+  order = []
+
+  def visit(package, path=()):
+    assert package not in path, f"import cycle: {' -> '.join(path + (package,))}"
+    if package in order:
+      return
+    for below in sorted(_MAY_IMPORT[package]):
+      visit(below, path + (package,))
+    order.append(package)
+
+  for package in sorted(_MAY_IMPORT):
+    visit(package)
+  assert len(order) == len(_MAY_IMPORT)

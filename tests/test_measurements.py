@@ -15,7 +15,7 @@ from layup_jax.measure import flops
 from layup_jax.measure import run_figures as measurements
 from layup_jax.run import runner
 from layup_jax.run.records import read_metrics
-from layup_jax.runtime import programs
+from layup_jax.runtime import costs, programs
 from layup_jax.runtime.programs import local_update
 from tests.helpers import backend_compilations, make_layup_runtime, plain_mlp
 
@@ -51,7 +51,7 @@ def test_staged_flops_equal_the_fused_step_flops():
   params, state = model.init(jax.random.key(0), batch.inputs)
   opt_state = [tx.init(p) for p in params]
   key, iteration = jax.random.key(1), np.int32(0)
-  staged = flops.staged_flops(model, programs.make_stage_steps(model),
+  staged = costs.staged_flops(model, programs.make_stage_steps(model),
                               jax.jit(functools.partial(local_update, tx)), params, state,
                               opt_state, batch, key, iteration)
   fused = flops.flops_of(jax.jit(functools.partial(ddp.train_step, model, tx)).lower(

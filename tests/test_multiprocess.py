@@ -54,17 +54,16 @@ def _wait_for(path: pathlib.Path, process: subprocess.Popen, timeout: float) -> 
     time.sleep(0.1)
 
 
-def _interrupt_after_first_checkpoint(command, work, interrupt, timeout=60, checkpoint=10):
+def _interrupt_after_first_checkpoint(command, work, interrupt, timeout=120, checkpoint=10):
   """Starts `command`, calls `interrupt(process)` once `work` holds `checkpoint`; returns the
-  process, its output and the seconds from the interruption to its exit."""
+  process and its output (it must exit within `timeout` of the interruption: a guard against
+  a hang, not a speed claim)."""
   process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
   try:
     _wait_for(work / "checkpoints" / str(checkpoint), process, timeout=300)
     interrupt(process)
-    start = time.monotonic()
-    output = process.communicate(timeout=timeout)[0]
-    return process, output, time.monotonic() - start
+    return process, process.communicate(timeout=timeout)[0]
   finally:
     process.kill()
 
@@ -118,8 +117,7 @@ def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_proc
               "eval_every": 10, "checkpoint.every": 10, "progress_bar": False}
   two = tmp_path / "two"
   command = _launcher(two, settings)
-  launcher, output, seconds = _interrupt_after_first_checkpoint(command, two, _kill_process_1(two))
-  assert seconds < 30
+  launcher, output = _interrupt_after_first_checkpoint(command, two, _kill_process_1(two))
   assert launcher.returncode == 128 + signal.SIGKILL
   assert "launch: process 1 was killed by SIGKILL; stopping the others" in output
   assert not (two / "summary.json").exists()
@@ -146,7 +144,7 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoi
   settings = {"algorithm": "ddp", "model.widths": "(4,8,8)", "num_steps": 400,
               "eval_every": 10, "checkpoint.every": 10, "progress_bar": False}
   work = tmp_path / "run"
-  launcher, output, _ = _interrupt_after_first_checkpoint(
+  launcher, output = _interrupt_after_first_checkpoint(
       _launcher(work, settings), work, lambda p: p.send_signal(signal.SIGTERM), timeout=120)
   assert launcher.returncode == 0, _tail(output)
   stopped = [line for line in output.splitlines() if "stopped by SIGTERM at step" in line]
@@ -172,9 +170,7 @@ def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_pa
   try:
     _wait_for(work / "checkpoints" / "10", processes[0], timeout=300)
     processes[1].kill()
-    killed = time.monotonic()
-    output = processes[0].communicate(timeout=60)[0]
-    assert time.monotonic() - killed < 30
+    output = processes[0].communicate(timeout=120)[0]
   finally:
     for process in processes:
       process.kill()
@@ -189,7 +185,7 @@ def test_layup_across_two_processes_stops_on_a_kill_and_one_process_reads_its_ch
   transfer server: process 1 is killed after the checkpoint at step 80, of which each process
   wrote its own devices' replicas; the launcher stops the run in one line. One process with 4
   devices reads every process's part of it: its evaluation of step 80 is the two processes'.
-  (2 x 2, not 2 x 4: each device compiles every stage's programs; docs/elastic.md.)
+  (2 x 2, not 2 x 4: each device compiles every stage's programs; docs/records/elastic.md.)
   (Training on across processes after a loss, to >= 0.95 with the weights summing to 1, and a
   rerun resuming LayUp's final checkpoint across processes: the 3 x 2 kill test below; a rerun
   of a stopped run taking exactly its remaining steps: the DDP test above. A LayUp run across
@@ -199,9 +195,9 @@ def test_layup_across_two_processes_stops_on_a_kill_and_one_process_reads_its_ch
   settings = {"algorithm": "layup", "num_steps": 160, "eval_every": 80, "checkpoint.every": 80,
               "num_devices": 4, "progress_bar": False}
   command = _launcher(work, settings, devices_per_process=2)
-  launcher, output, seconds = _interrupt_after_first_checkpoint(
+  launcher, output = _interrupt_after_first_checkpoint(
       command, work, _kill_process_1(work), checkpoint=80)
-  assert seconds < 30 and launcher.returncode == 128 + signal.SIGKILL, _tail(output)
+  assert launcher.returncode == 128 + signal.SIGKILL, _tail(output)
   assert "launch: process 1 was killed by SIGKILL; stopping the others" in output
   arrays = work / "checkpoints" / "80" / "arrays"
   assert {p.name for p in arrays.glob("ocdbt.process_*")} == {"ocdbt.process_0",
@@ -281,7 +277,7 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
     ("layup", ["remote_peer_probability=0.9", "compression='int8'"])])
 def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorithm, options):
   """Learning rate 0, every replica its own parameters, 2 processes x 2 devices with their
-  threads (2 x 2, not 2 x 4: each device compiles every stage's programs; docs/elastic.md):
+  threads (2 x 2, not 2 x 4: each device compiles every stage's programs; docs/records/elastic.md):
   gossip (a good share of it between the processes; AD-PSGD's pairwise averages too) moves
   the replicas toward their average and must not move the average itself
   (tests/multiprocess_pushsum.py). GoSGD's sends take LayUp's path (`Outbox.send_halved`).
@@ -361,14 +357,18 @@ def test_the_launcher_starts_a_killed_process_again_while_process_0_runs(monkeyp
   """`launch --restart 1`: process 1, SIGKILLed, is started again with its command (once); the
   launcher's status is process 0's. The processes here are small scripts standing in for the
   training command (the rejoin itself: the test above)."""
-  marker = tmp_path / "killed_once"
+  marker, again = tmp_path / "killed_once", tmp_path / "started_again"
+  # Process 0 runs until process 1's second start has ended (a file it writes: no fixed sleep).
   script = ("import os, pathlib, signal, sys, time\n"
             "k = int(sys.argv[-1].rsplit('=', 1)[1])\n"
-            f"marker = pathlib.Path({str(marker)!r})\n"
+            f"marker, again = pathlib.Path({str(marker)!r}), pathlib.Path({str(again)!r})\n"
             "if k == 1 and not marker.exists():\n"
             "  marker.touch(); os.kill(os.getpid(), signal.SIGKILL)\n"
-            "time.sleep(1.5 if k == 0 else 0.1)\n"
-            "print(f'process {k} ended')\n")
+            "deadline = time.monotonic() + 120\n"
+            "while k == 0 and not again.exists() and time.monotonic() < deadline:\n"
+            "  time.sleep(0.01)\n"
+            "print(f'process {k} ended', flush=True)\n"
+            "if k == 1: again.touch()\n")
   monkeypatch.setattr(launch, "commands", lambda processes, port, train_args: [
       [sys.executable, "-c", script, f"--config.distributed.process_id={k}"]
       for k in range(processes)])
@@ -475,7 +475,7 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
   stands for a process on a host of its own. It reads its programs from the compilation cache
   its first run wrote (`compat.write_compilation_cache_from_every_process`); killed and started
   again early, it has the run's last 70 % to build and rejoin in (alone, 2026-12-02, an empty
-  cache at the start: it rejoined 120 steps after its start, with 580 left; docs/elastic.md).
+  cache at the start: it rejoined 120 steps after its start, with 580 left; docs/records/elastic.md).
   (The launcher's own `--restart`:
   `test_the_launcher_starts_a_killed_process_again_while_process_0_runs`.)"""
   steps, kill_at, restart_at = 1000, 0.2, 0.3

@@ -80,7 +80,15 @@ def test_a_run_stopping_at_its_target_ends_at_the_first_evaluation_reaching_it(
     assert (workdir / "checkpoints" / str(last)).is_dir()  # the model where the run ended
 
 
-STOP_BOUND_S = 10
+STOP_GUARD_S = 120
+
+
+def _trained_steps(progress) -> int:
+  """The latest step a run's progress log shows (0 while it has none)."""
+  if not progress.exists():
+    return 0
+  lines = progress.read_text().splitlines()
+  return json.loads(lines[-1])["step"] if lines and lines[-1].endswith("}") else 0
 
 
 def _train_command(workdir, num_steps):
@@ -91,28 +99,28 @@ def _train_command(workdir, num_steps):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_a_checkpoint_and_exits_0_within_seconds(tmp_path, signum):
-  # Preemption (SIGTERM) or a terminal's Ctrl-C (SIGINT), in the middle of training.
+def test_a_signal_saves_a_checkpoint_and_exits_0(tmp_path, signum):
+  # Preemption (SIGTERM) or a terminal's Ctrl-C (SIGINT), in the middle of training: sent once
+  # the run's progress log shows trained steps.
   process = subprocess.Popen(
-      _train_command(tmp_path, 100000), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      [*_train_command(tmp_path, 100000), "--config.metrics.progress_every_s=0.05"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT dumps every stack
   )
-  metrics = tmp_path / "metrics.jsonl"
+  progress = tmp_path / "progress" / "process_0.jsonl"
   deadline = time.monotonic() + 240
-  while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:
-    time.sleep(0.2)  # the step-0 evaluation is written once threads are about to start
-  assert metrics.exists(), process.communicate(timeout=5)
-  time.sleep(2.0)
-  sent = time.monotonic()
+  while not _trained_steps(progress) and time.monotonic() < deadline:
+    assert process.poll() is None, process.communicate(timeout=5)
+    time.sleep(0.05)
+  assert _trained_steps(progress), process.communicate(timeout=5)
   process.send_signal(signum)
-  try:
-    stdout, stderr = process.communicate(timeout=STOP_BOUND_S)
+  try:  # (a guard against a hang, not a speed claim)
+    stdout, stderr = process.communicate(timeout=STOP_GUARD_S)
   except subprocess.TimeoutExpired:
     process.send_signal(signal.SIGABRT)
     _, stderr = process.communicate(timeout=30)
-    pytest.fail(f"the run did not stop within {STOP_BOUND_S} s of the signal; its threads:\n"
+    pytest.fail(f"the run did not stop within {STOP_GUARD_S} s of the signal; its threads:\n"
                 f"{stderr[-8000:]}")
-  assert time.monotonic() - sent < STOP_BOUND_S
   assert process.returncode == 0, stderr[-3000:]
   saved = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
   assert len(saved) == 1 and saved[0] > 0

@@ -80,7 +80,7 @@ def init_model(config: ml_collections.ConfigDict, model: StagedModel, example_ba
   Every replica starts from these. The stages' initializers run as one jitted program: op by
   op, each initializer and layer compiled its own small programs (the digits' ResNet: 10 s to
   6 s, the same values), and a process other than 0 never finds those in the persistent
-  compilation cache (docs/elastic.md), so every start and every rejoin paid them.
+  compilation cache (docs/records/elastic.md), so every start and every rejoin paid them.
   """
   params, state = jax.jit(model.init)(jax.random.key(config.seed), example_batch.inputs)
   if config.model.pretrained:

@@ -36,13 +36,21 @@ class Iteration:
 class LayUp(Hooks):
   """Algorithm 1's updater (module docstring), on the replica store and outboxes: `begin` picks
   j (and halves w_i per model), `on_stage` is the loop body for layer s, `end` lets the last
-  sends go and grows w_j per model. The peer update runs on j's device, merged into j's next
-  program that reads the stage (layup_jax/runtime/replicas.py)."""
+  sends go and grows w_j per model. Where each step of the loop body runs:
 
-  # The local update runs in the program of the stage's backward, as its gradient is computed
-  # (`DeviceStages.backward`, layup_jax/runtime/replicas.py), under the same atomic write a merge
-  # takes: `on_stage` then finds it applied (`local_step` with grads None).
-  # `tuning.fuse_local_step=False` applies it here instead, from the gradient.
+  - Local update: in the program of the stage's backward, as its gradient is computed
+    (runtime/replicas.py `DeviceStages.backward`, the jitted `runtime/programs.py
+    local_update`), under the same atomic write a merge takes; `on_stage` finds it applied
+    (`ReplicaStore.local_step` with grads None). `tuning.fuse_local_step=False` applies it
+    here instead, from the gradient.
+  - Communication: `Outbox.send_halved` (runtime/sends.py) takes x^{i,s} and halves w_{i,s}
+    in one atomic write (runtime/replicas.py `ReplicaStore.take`), then copies the computed
+    stage to j's device (`Transport.send`).
+  - Peer update: `ReplicaStore.merge` (runtime/replicas.py) parks the stage and its amount in
+    j's inbox; j's next program of stage s mixes it in (`programs.mix_received`, the push-sum
+    merge of pushsum/mixing.py) and adds the amount to w_{j,s} in the same atomic write.
+  """
+
   fuses_local_step = True
   sends_stages = True  # its sends to other processes are compressed (`Exchange.sends_stages`)
 

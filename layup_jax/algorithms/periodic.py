@@ -32,7 +32,7 @@ consensus exactly (tests/test_baselines.py). "restart" (the earlier form, an abl
 continues from R_{b-1} itself, so its own period-b progress leaves its model and returns through
 R_b one period later while its inner momentum carries on; with heavy-ball momentum 0.9 and tau 12
 the consensus then moves *away* from a quadratic's minimum, 1.14x per period where Local SGD and
-the correction close in 0.49x (tests/test_baselines.py; docs/measurements.md, "CO2"). The
+the correction close in 0.49x (tests/test_baselines.py; docs/records/measurements.md, "CO2"). The
 consensus is then R_{b-1} + mean_i y_b^i - R_{b-2} (the periods started from R_{b-2}).
 
 Sun et al. stabilise the overlap with a "staleness gap penalty" and outer-momentum clipping.
@@ -46,7 +46,7 @@ The penalty is here as that code defines it (`baselines.co2_gap_penalty`, defaul
 the clip; the LayUp paper's CO2 runs without it too ("the published CO2 implementation does not
 include the penalty gap correction"). Even corrected, the lag costs accuracy: the others'
 progress reaches a device 1-2 periods late, and at tau 12 with momentum 0.9 CO2 collapses at
-learning rates Local SGD trains at (docs/measurements.md, "CO2").
+learning rates Local SGD trains at (docs/records/measurements.md, "CO2").
 
 Between outer steps R_b is the consensus.
 

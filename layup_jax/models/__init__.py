@@ -57,10 +57,11 @@ _REGISTRY: dict[str, ModelEntry] = {
     "resnet50": ModelEntry(_resnet(resnet.resnet50), _resnet_images),
     "gpt2": ModelEntry(
         lambda c: gpt2.gpt2(c.size, c.vocab_size, c.max_len, c.dropout, DTYPES[c.dtype],
-                            c.granularity),
+                            c.granularity, c.vocab_multiple, c.attention),
         _tokens,
         lambda c, model, inputs: gpt2_import.load_gpt2_params(
-            model, inputs, c.pretrained, per_layer=c.granularity == "per_layer")),
+            model, inputs, c.pretrained, per_layer=c.granularity == "per_layer",
+            vocab_size=c.vocab_size)),
     "lstm": ModelEntry(
         lambda c: StagedModel(lstm.lstm_classifier(c.vocab_size, c.hidden_size, c.num_layers,
                                                    c.num_classes)),

@@ -6,12 +6,20 @@ names follow the Hugging Face checkpoint (`wte`, `wpe`, `ln_1`, `attn.c_attn`, `
 `ln_2`, `mlp.c_fc`, `mlp.c_proj`, `ln_f`), so importing one is a rename.
 
 The output projection is the token embedding `wte`. It lives only in the embedding stage and the
-head stage reads it through a `Tie` (see `layup_jax.stages.Tie`): both stages' gradients reach
+head stage reads it through a `Tie` (layup_jax/models/staged.py): both stages' gradients reach
 the one matrix, which is updated once per iteration and merged once.
 With `dtype=bfloat16` activations and matmuls run in bf16 while params stay float32.
+
+`vocab_multiple` pads the vocabulary (the embedding's rows, the head's logits) to a multiple of
+64 or 128, the matrix shapes the GPU's matmul units take whole (50,257 becomes 50,304): the
+padded tokens never occur, their logits are masked out of the softmax, so the loss and the real
+tokens' logits are those of the unpadded model. `attention` chooses `jax.nn.dot_product_attention`'s
+implementation: "xla", "cudnn" (flash attention; GPUs only, bf16 or fp16), or "auto" (cuDNN where
+the devices are GPUs and it takes these shapes, else XLA).
 """
 
 import dataclasses
+import math
 
 import flax.linen as nn
 import jax
@@ -36,6 +44,25 @@ SIZES = {
 }
 
 _INIT = nn.initializers.normal(0.02)
+ATTENTION = ("auto", "xla", "cudnn")  # config.model.attention
+
+
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+  """`vocab_size` rounded up to a multiple of `multiple` (0 or 1: unchanged)."""
+  return vocab_size if multiple <= 1 else math.ceil(vocab_size / multiple) * multiple
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str) -> jax.Array:
+  """Causal attention `[B, T, nh, hs]` by the named implementation; "auto" takes cuDNN's where
+  the devices are GPUs and it accepts the call, else XLA's (decided when traced)."""
+  if implementation == "auto":
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+      try:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+      except (NotImplementedError, RuntimeError, ValueError, TypeError):
+        pass  # a shape or dtype cuDNN does not take: XLA's
+    implementation = "xla"
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
 class Embedding(nn.Module):
@@ -62,6 +89,7 @@ class CausalSelfAttention(nn.Module):
   num_heads: int
   num_layers: int
   dtype: jnp.dtype
+  attention: str = "auto"
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -70,7 +98,7 @@ class CausalSelfAttention(nn.Module):
     qkv = nn.Dense(3 * dim, dtype=self.dtype, kernel_init=_INIT, name="c_attn")(x)  # [B, T, 3D]
     qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)  # [B, T, 3, nh, hs]
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, nh, hs]
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, nh, hs]
+    y = attend(q, k, v, self.attention)  # [B, T, nh, hs]
     return nn.Dense(dim, dtype=self.dtype, kernel_init=_proj_init(self.num_layers),
                     name="c_proj")(y.reshape(batch, length, dim))
 
@@ -93,9 +121,9 @@ def _proj_init(num_layers: int):
   return nn.initializers.normal(0.02 / (2 * num_layers) ** 0.5)
 
 
-def _attention_branch(h, num_heads, num_layers, dropout, dtype, train):
+def _attention_branch(h, num_heads, num_layers, dropout, dtype, train, attention):
   """`h + attn(ln_1(h))`; called inside a compact method, so its layers belong to the caller."""
-  y = CausalSelfAttention(num_heads, num_layers, dtype, name="attn")(
+  y = CausalSelfAttention(num_heads, num_layers, dtype, attention, name="attn")(
       nn.LayerNorm(1e-5, dtype=dtype, name="ln_1")(h))
   return h + nn.Dropout(dropout, deterministic=not train)(y)
 
@@ -118,35 +146,47 @@ class Block(nn.Module):
   dropout: float
   dtype: jnp.dtype
   halves: tuple[str, ...] = ("attn", "mlp")
+  attention: str = "auto"
 
   @nn.compact
   def __call__(self, h: jax.Array, train: bool) -> jax.Array:
     if "attn" in self.halves:
-      h = _attention_branch(h, self.num_heads, self.num_layers, self.dropout, self.dtype, train)
+      h = _attention_branch(h, self.num_heads, self.num_layers, self.dropout, self.dtype, train,
+                            self.attention)
     if "mlp" in self.halves:
       h = _mlp_branch(h, self.num_layers, self.dropout, self.dtype, train)
     return h
 
 
 class Head(nn.Module):
-  """`(h, wte) -> logits [B, T, V]` in float32: final LayerNorm, then the tied projection."""
+  """`(h, wte) -> logits [B, T, V]` in float32: final LayerNorm, then the tied projection. With
+  a padded `wte` (more rows than `vocab_size`) the padded tokens' logits are masked to the
+  float32 minimum: no probability, no gradient, never an argmax."""
 
   dtype: jnp.dtype
+  vocab_size: int | None = None  # the real vocabulary; None: every row of wte
 
   @nn.compact
   def __call__(self, inputs) -> jax.Array:
     h, wte = inputs
     x = nn.LayerNorm(1e-5, dtype=self.dtype, name="ln_f")(h)
-    return jnp.einsum("btd,vd->btv", x, wte.astype(self.dtype)).astype(jnp.float32)
+    logits = jnp.einsum("btd,vd->btv", x, wte.astype(self.dtype)).astype(jnp.float32)
+    if self.vocab_size is None or self.vocab_size == wte.shape[0]:
+      return logits
+    real = jnp.arange(wte.shape[0]) < self.vocab_size  # [V_padded]
+    return jnp.where(real, logits, jnp.finfo(jnp.float32).min)
 
 
 def gpt2(size: str, vocab_size: int, max_len: int, dropout: float = 0.0,
-         dtype: jnp.dtype = jnp.float32, granularity: str = "per_block") -> StagedModel:
+         dtype: jnp.dtype = jnp.float32, granularity: str = "per_block",
+         vocab_multiple: int = 0, attention: str = "auto") -> StagedModel:
   """The staged GPT-2 of a named size; `Tie` shares `wte` between stage 0 and the head."""
   spec = SIZES[size]
   halves = [("attn",), ("mlp",)] if granularity == "per_layer" else [("attn", "mlp")]
-  blocks = [Block(spec.num_heads, spec.num_layers, dropout, dtype, half)
+  blocks = [Block(spec.num_heads, spec.num_layers, dropout, dtype, half, attention)
             for _ in range(spec.num_layers) for half in halves]
-  modules = [Embedding(vocab_size, max_len, spec.embed_dim, dropout, dtype), *blocks, Head(dtype)]
+  rows = padded_vocab(vocab_size, vocab_multiple)
+  modules = [Embedding(rows, max_len, spec.embed_dim, dropout, dtype), *blocks,
+             Head(dtype, vocab_size if rows != vocab_size else None)]
   tie = Tie(owner=0, consumer=len(modules) - 1, path=("wte", "embedding"))
   return StagedModel(modules, ties=(tie,))

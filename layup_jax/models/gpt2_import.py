@@ -6,7 +6,8 @@ parameter names follow the checkpoint, so the import is a rename: `weight` is Fl
 `scale` or `embedding`, and block N's layers live in the stage(s) of layer N. GPT-2's Conv1D stores
 kernels as [in, out], as Flax's Dense does, so nothing is transposed. Every parameter must be found
 with its shape, and every tensor of the checkpoint must be used (buffers such as `attn.bias` and
-the tied `lm_head.weight` aside).
+the tied `lm_head.weight` aside). A model with a padded vocabulary (`model.vocab_multiple`) takes
+the checkpoint's `wte` in its first rows; the padded rows are zero (their logits are masked).
 """
 
 import pathlib
@@ -45,8 +46,9 @@ def read_checkpoint(directory: str | pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def load_gpt2_params(model: StagedModel, example_tokens: np.ndarray, directory,
-                     per_layer: bool = False) -> list:
-  """Per-stage params of `model` filled from the checkpoint in `directory`."""
+                     per_layer: bool = False, vocab_size: int | None = None) -> list:
+  """Per-stage params of `model` filled from the checkpoint in `directory`; `vocab_size`, the
+  real vocabulary of a model whose embedding is padded beyond it (`model.vocab_multiple`)."""
   tensors = read_checkpoint(directory)
   abstract, _ = jax.eval_shape(lambda: model.init(jax.random.key(0), example_tokens))
   prefixes = stage_prefixes(model.num_stages, per_layer)
@@ -59,6 +61,10 @@ def load_gpt2_params(model: StagedModel, example_tokens: np.ndarray, directory,
         raise ValueError(f"GPT-2 checkpoint {directory} has no tensor {name!r} "
                          f"(expected shape {leaf.shape}); is config.model.size right?")
       value = tensors[name]
+      if (name == "wte.weight" and value.shape[0] == vocab_size < leaf.shape[0]
+          and value.shape[1:] == leaf.shape[1:]):  # a padded vocabulary: its padding stays zero
+        value = np.concatenate(
+            [value, np.zeros((leaf.shape[0] - value.shape[0], *value.shape[1:]), value.dtype)])
       if value.shape != leaf.shape:
         raise ValueError(f"GPT-2 checkpoint tensor {name!r} has shape {value.shape}, the model "
                          f"expects {leaf.shape}: check config.model.size, vocab_size and max_len")

@@ -1,4 +1,4 @@
-"""Elastic gossip across processes (docs/elastic.md): what the asynchronous runtime does when a
+"""Elastic gossip across processes (docs/guide/elastic.md): what the asynchronous runtime does when a
 process of its run is lost, or started again and rejoins.
 
 A lost process's devices stop being peers at once (`on_lost`, from the heartbeat watchdog's

@@ -8,13 +8,13 @@ n counting the notices from this process to that one (b = its batch of 16). A no
 other process (a thread of its own) writes them in order and reads that process's
 acknowledgements while any is outstanding: each is a round trip to the coordination service,
 which on the updater's thread took half of its time at remote peers 1 in 2
-(docs/multihost.md). The peer's process has one receiver thread per other process (started by
+(docs/records/multihost.md). The peer's process has one receiver thread per other process (started by
 the runtime): it waits for notice n, pulls the arrays onto the peer's device, merges them into
 the replica with the same atomic write as a local send (`ReplicaStore.merge`: the push-sum
 amount added to w_{j,s} with the stage), and acknowledges with
 `layup_jax/gossip-ack/<from>/<to> = n` (every 16 notices, and whenever none is waiting),
 deleting a batch's notices once all are merged. Only announced uuids are pulled: a pull of a
-uuid never offered waits forever (docs/multihost_probes.md).
+uuid never offered waits forever (docs/records/multihost_probes.md).
 
 The sender never waits for the receiver's device: the offer is of a stage already computed, and
 the notice is a few bytes. It waits only when `max_in_flight` notices to one process are not
@@ -53,7 +53,7 @@ _ACK_EVERY = 16
 _IDLE_MS = 2
 # Notices per batch directory: the receiver reads the rest of the current batch in one call
 # after each notice it waited for, so a smaller batch is fewer bytes per read (64: 5.4 MB a
-# digits run from the store's host, 16: 3.6 MB; docs/multihost.md), at one delete per batch.
+# digits run from the store's host, 16: 3.6 MB; docs/records/multihost.md), at one delete per batch.
 _BATCH = 16
 _ACK_POLL_S = 0.002  # how often a notice writer reads the acknowledgements while any is due
 _PULL_POLL_S = 0.001  # how often an elastic run's pull looks whether its source was lost
@@ -117,7 +117,7 @@ class RemotePeers:
     vanished (power, a cable, a link down) leaves them open, and the transfer library's
     receive threads block in `recv` on them for as long as TCP retransmits (minutes): the
     pulls from live processes queued on those threads wait too, and every survivor stalls
-    at its next consistent point (found in the vanished-host drill, docs/elastic.md). So its
+    at its next consistent point (found in the vanished-host drill, docs/records/elastic.md). So its
     host's sockets are shut down here, as if it had closed them, unless a live process (or
     this one) has the same address: processes sharing a host are lost together when it
     vanishes, and one killed alone closes its own."""

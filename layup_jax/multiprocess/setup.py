@@ -66,7 +66,7 @@ def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> 
   """Joins the distributed run `config` describes (before any backend use); False when the run
   is a single process. Idempotent. `recoverable` (gossip runs): JAX's runtime lets the other
   processes go on when one dies, and lets it join again (`jax_enable_recoverability`;
-  docs/elastic.md), where by default every process is aborted."""
+  docs/records/elastic.md), where by default every process is aborted."""
   chosen = settings(config)
   if chosen is None:
     return False

@@ -6,7 +6,7 @@ compiled program: the bytes its all-reduces reduce, times 2 (P - 1) / P for P pr
 is what each process sends in a bandwidth-optimal all-reduce (reduce-scatter then all-gather
 between processes): the least any implementation sends. The transport may send more (gloo's
 collectives on CPU run per device, not per process); `scripts/cluster_drill.sh` reads the
-links' own counters, and docs/multihost.md compares the two.
+links' own counters, and docs/records/multihost.md compares the two.
 """
 
 import re

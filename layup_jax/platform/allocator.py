@@ -5,7 +5,7 @@ their events, the arrays' Python wrappers), many freed by XLA's threads rather t
 that allocated them. With glibc's malloc that was a fifth of the dispatching thread's CPU time
 (`malloc_consolidate`, `unlink_chunk`, `_int_free` in a profile), and under TCMalloc a run of
 the ResNet-18 structure took 10 % less host time per device-iteration with the updater thread,
-23 % less on one thread (docs/host.md "The allocator"). An allocator can only replace malloc
+23 % less on one thread (docs/records/host.md "The allocator"). An allocator can only replace malloc
 from the process's start (`LD_PRELOAD`), so `use` starts the process again, once, under the one
 chosen (`config.tuning.host_allocator`); the Debian packages `libtcmalloc-minimal4` and `libjemalloc2`
 provide them. A leaf: no jax, nothing of the project.
@@ -60,7 +60,8 @@ def use(choice: str, argv: list[str] | None = None) -> str | None:
   arguments (default `sys.orig_argv[1:]`: the same command). Raises ValueError, in one line,
   when the allocator asked for by name is not installed."""
   if choice not in CHOICES:
-    raise ValueError(f"config.tuning.host_allocator={choice}: must be one of {', '.join(CHOICES)}")
+    raise ValueError(f"config.tuning.host_allocator={choice}: must be one of "
+                     f"{', '.join(CHOICES)}")
   current = in_use()
   if choice == "system" or current != "system":
     return None
@@ -71,12 +72,12 @@ def use(choice: str, argv: list[str] | None = None) -> str | None:
   found = next(((name, lib) for name in names if (lib := library(name))), None)
   if found is None:
     if choice != "auto":
-      raise ValueError(f"config.tuning.host_allocator={choice}: no lib{choice} found; install it "
-                       f"(apt-get install {_PACKAGES[choice]}) or choose auto or system")
+      raise ValueError(f"config.tuning.host_allocator={choice}: no lib{choice} found; install "
+                       f"it (apt-get install {_PACKAGES[choice]}) or choose auto or system")
     return (f"host allocator: the system's malloc (no TCMalloc or jemalloc found; `apt-get "
             f"install {_PACKAGES['tcmalloc']}` took a tenth to a quarter off the host's time per "
-            f"stage on a 2-core machine, docs/host.md; --config.tuning.host_allocator=system silences "
-            f"this line)")
+            f"stage on a 2-core machine, docs/guide/performance.md; "
+            f"--config.tuning.host_allocator=system silences this line)")
   name, lib = found
   sys.stdout.flush()
   sys.stderr.flush()

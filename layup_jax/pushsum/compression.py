@@ -14,7 +14,7 @@ of e; at each one (`Compressor.settle`, every task idle) device i takes its resi
 its own replica, `x_{i,s} <- x_{i,s} + e_{i,s} / w_{i,s}`, and the push-sum average is exact
 again there (checkpoints and evaluations need nothing new). The residuals' sum over the run's
 devices, against the stage's mass, is the compression's effect on the average in between
-(`residual_mass`; docs/multihost.md reports it).
+(`residual_mass`; docs/records/multihost.md reports it).
 
 Codecs: "bf16" (2 bytes a value) and "int8" (1 byte a value, one float32 scale per block of
 `BLOCK` values: blockwise, so a packed stage's small conv weights are not rounded on the scale

@@ -5,6 +5,7 @@
 
 import pathlib
 
+import jax
 import ml_collections
 
 from configs import base
@@ -70,6 +71,11 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "model.granularity", models.GRANULARITIES)
   _one_of(config, "model.dtype", models.DTYPES)
   _one_of(config, "model.size", gpt2.SIZES)
+  _one_of(config, "model.attention", gpt2.ATTENTION)
+  _require(config.model.attention != "cudnn" or jax.default_backend() == "gpu",
+           "model.attention", "cudnn",
+           f"cuDNN's attention runs on GPUs only (devices here: {jax.default_backend()}); "
+           f"use auto or xla")
   _one_of(config, "data.name", data.names())
   _one_of(config, "optimizer.name", optim.OPTIMIZERS)
   _one_of(config, "optimizer.schedule", optim.SCHEDULES)
@@ -101,7 +107,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("optimizer.weight_decay", 0), ("optimizer.warmup_steps", 0), ("optimizer.warmup_epochs", 0),
       ("optimizer.warmup_init_lr", 0), ("num_steps", 0), ("num_epochs", 0), ("eval_every", 0),
       ("tuning.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
-      ("model.num_classes", 1), ("model.vocab_size", 1), ("model.max_len", 1),
+      ("model.num_classes", 1), ("model.vocab_size", 1), ("model.vocab_multiple", 0), ("model.max_len", 1),
       ("model.hidden_size", 1), ("model.num_layers", 1), ("model.dropout", 0),
       ("checkpoint.every", 0), ("checkpoint.keep", 1), ("metrics.target_accuracy", 0),
       ("metrics.target_perplexity", 0), ("metrics.latency_every", 0),

@@ -13,7 +13,7 @@ tasks run on the dispatcher thread, updater (and latency) tasks on the updater t
 
 `iterate_serial` runs one whole iteration of one device on the calling thread, blocking on each
 wait: the deterministic mode for exact tests; `grant` and `step` drive the same tasks from a
-test's thread. docs/runtime.md walks through one iteration and the invariants the tests hold.
+test's thread. docs/concepts/runtime.md walks through one iteration and the invariants the tests hold.
 """
 
 import collections
@@ -32,7 +32,7 @@ from layup_jax.measure import flops
 from layup_jax.models.staged import StagedModel
 from layup_jax.multiprocess import gathers, membership, setup
 from layup_jax.multiprocess.elastic import Elastic
-from layup_jax.runtime import transfer
+from layup_jax.runtime import costs, transfer
 from layup_jax.runtime.exchange import Exchange, Links
 from layup_jax.runtime.options import RuntimeOptions
 from layup_jax.runtime.replicas import ReplicaStore
@@ -392,12 +392,12 @@ class AsyncRuntime:
       self._checks.applied[i] = replica.iteration
 
   def flops_per_iteration(self, analyse: Callable = flops.lowered) -> float:
-    return flops.replica_flops(self.model, self.store, self.example_batch, analyse)
+    return costs.replica_flops(self.model, self.store, self.example_batch, analyse)
 
   def temp_bytes(self) -> int:
     """The largest scratch memory XLA allocates for one of this runtime's functions (a merge
     needs none beyond its output)."""
-    return flops.staged_temp_bytes(*flops.replica_calls(self.model, self.store,
+    return costs.staged_temp_bytes(*costs.replica_calls(self.model, self.store,
                                                         self.example_batch))
 
   def close(self) -> None:

@@ -60,7 +60,7 @@ PyTree = Any
 class _BothLocks:
   """A stage's params lock and its BatchNorm state lock, held as one (params first). A plain
   class rather than a generator-based context manager, which took four to eight Python calls
-  each time: every stage write takes its locks (docs/host.md, "Less Python per stage write")."""
+  each time: every stage write takes its locks (docs/records/host.md, "Less Python per stage write")."""
 
   __slots__ = ("first", "second")
 

@@ -13,7 +13,7 @@ something a task waits for) or a short poll interval passes (arrays cannot annou
 are computed). The runtime has one scheduler for the devices' compute tasks and one for their
 updater tasks, each on its own thread: two threads per process, where sixteen (a compute and
 an updater thread per device) spent most of a device-iteration's host time taking turns on the
-interpreter (docs/host.md).
+interpreter (docs/records/host.md).
 
 `drive(task)` runs one task to its end on the calling thread, blocking on each wait: the
 deterministic serial mode, and the synchronous callers of the same code (DDP's straggler clock).
@@ -102,7 +102,7 @@ class Turns:
   while it has tasks to run and lets go when it has none (or has held it `_HOLD_S` while
   another waits). Every call into jax releases the interpreter lock; two busy threads would
   hand it over at nearly every call, each hand-over a wake-up and a context switch (on the
-  2-core development machine two threads that way took 1.45x the time of one, docs/host.md);
+  2-core development machine two threads that way took 1.45x the time of one, docs/records/host.md);
   taking turns per stretch of work instead keeps the hand-overs few."""
 
   def __init__(self):
@@ -141,12 +141,18 @@ class _NoTurn:
 class Scheduler:
   """Runs tasks cooperatively on the thread that calls `run` (or `step`)."""
 
-  def __init__(self, name: str, turn: Any = None, max_poll_s: float = MAX_POLL_S):
+  def __init__(self, name: str, turn: Any = None, max_poll_s: float = MAX_POLL_S,
+               clock: Callable[[], float] = time.perf_counter,
+               idle_wait: Callable[[float], Any] | None = None):
     """`max_poll_s`: the longest an idle `run` sleeps before it looks at its tasks again (the
     runtime's `tuning.idle_poll_s`): each look costs the host CPU time, each missed readiness
-    at most this much latency."""
+    at most this much latency. `clock` times the waits (`idle_s`, `turn_wait_s`) and the turn
+    held; `idle_wait(timeout)` is how an idle `run` waits for `wake()` or the timeout (tests
+    give both their own: a simulated clock, a recorded wait)."""
     self.name = name
     self.max_poll_s = max_poll_s
+    self._clock = clock
+    self._idle_wait = idle_wait or self._wait_for_wake
     self._turn = turn if turn is not None else _NoTurn()
     self._tasks: list[_Running] = []
     self._added: list[_Running] = []
@@ -208,26 +214,29 @@ class Scheduler:
         self.cpu_s, clock = self.cpu_s + now - clock, now
         if ran:
           poll = _FIRST_POLL_S
-          if time.perf_counter() - held_since > _HOLD_S and turn.wanted():
+          if self._clock() - held_since > _HOLD_S and turn.wanted():
             turn.release()
             held_since = self._take(turn)
           continue
         turn.release()
-        asleep = time.perf_counter()
-        self._wake.wait(poll)
-        self._wake.clear()
-        self.idle_s += time.perf_counter() - asleep
+        asleep = self._clock()
+        self._idle_wait(poll)
+        self.idle_s += self._clock() - asleep
         self.idle_waits += 1
         poll = min(2 * poll, self.max_poll_s)
         held_since = self._take(turn)
     finally:
       turn.release()
 
+  def _wait_for_wake(self, timeout: float) -> None:
+    self._wake.wait(timeout)
+    self._wake.clear()
+
   def _take(self, turn) -> float:
     """Acquires the turn; returns when (counting the wait in `turn_wait_s`)."""
-    asked = time.perf_counter()
+    asked = self._clock()
     turn.acquire()
-    now = time.perf_counter()
+    now = self._clock()
     self.turn_wait_s += now - asked
     return now
 
@@ -261,7 +270,7 @@ def awaited(result: Any) -> Task:
 
 # How long an idle scheduler sleeps at most (`tuning.idle_poll_s` = -1) where the devices are
 # the host's CPUs: 1 ms (on the 2-core development machine the scheduler's default, 0.1 ms,
-# cost its threads 1.4-1.7x the CPU time and 5-10 % of the samples per second: docs/host.md
+# cost its threads 1.4-1.7x the CPU time and 5-10 % of the samples per second: docs/records/host.md
 # "The idle poll"); elsewhere the scheduler's default (a GPU's stages are short; its host has
 # cores to spare).
 CPU_IDLE_POLL_S = 1e-3
