@@ -109,6 +109,7 @@ def _kill_process_2_of_3x2(work, settings: dict, launch_flag: str, at_step: int)
   return launcher.returncode, output
 
 
+@pytest.mark.multiprocess
 def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_process(tmp_path):
   """2 processes x 4 devices: process 1 is killed after the first checkpoint; the launcher
   stops the run within 30 s in one line naming it; the same command resumes; every loss the
@@ -138,6 +139,7 @@ def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_proc
     assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoint(tmp_path):
   """The launcher forwards SIGTERM to every process; they agree to stop at the next evaluation
   or checkpoint, save it together, and exit 0 (resuming is the kill test's)."""
@@ -155,6 +157,7 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoi
   assert not (work / "summary.json").exists()
 
 
+@pytest.mark.multiprocess
 def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_path):
   """Processes started by hand (as a cluster's starter does): process 1 is killed; process 0's
   watchdog names it within 30 s and exits with status 4, and no successful run is cut short
@@ -179,6 +182,7 @@ def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_pa
           "coordinator); process 0 stops.") in output
 
 
+@pytest.mark.multiprocess
 def test_layup_across_two_processes_stops_on_a_kill_and_one_process_reads_its_checkpoint(
     tmp_path):
   """LayUp on 2 processes x 2 devices, its sends to the other process's devices through the
@@ -213,6 +217,7 @@ def test_layup_across_two_processes_stops_on_a_kill_and_one_process_reads_its_ch
   assert one["final_eval_loss"] == pytest.approx(at_80["loss"], rel=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_local_sgd_across_two_processes_averages_as_one_process(tmp_path):
   """Local SGD's periodic average as an all-reduce over both processes' devices: every loss of
   2 processes x 4 devices equals the one-process 8-device run's (its local steps are the same,
@@ -242,6 +247,7 @@ def test_local_sgd_across_two_processes_averages_as_one_process(tmp_path):
   assert summary["bytes_between_processes_per_device_iteration"] == 4 * 2 * averaged / (8 * 20)
 
 
+@pytest.mark.multiprocess
 def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tmp_path):
   """Every process's devices, mid-period (step 10, periods of 4), and the replicated anchor
   and slow momentum go into one checkpoint: resumed from it in 2 processes x 4 devices, or in
@@ -271,6 +277,7 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
       assert a == pytest.approx(b, rel=1e-5, abs=1e-6), name
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("algorithm", "options"), [
     ("layup", ["compression='none'"]), ("adpsgd", []),
     ("layup", ["remote_peer_probability=0.9", "max_remote_backlog=1"]),
@@ -413,6 +420,7 @@ def test_a_transfer_server_that_cannot_start_is_one_line():
     wire.start_server("10.255.255.1", 1)
 
 
+@pytest.mark.multiprocess
 def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):
   """3 processes x 2 devices (gossip across processes on either side of the loss), LayUp on the
   digits, started by the launcher with --keep-going: process 2 is SIGKILLed at ~40 % of the run;
@@ -459,6 +467,7 @@ def _records(work) -> list[dict]:
     return []
 
 
+@pytest.mark.multiprocess
 def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
   """3 processes x 2 devices, LayUp on the digits, each process's command started as the
   launcher would start it: process 2 is SIGKILLed at ~20 % of the run, and its same command is
