@@ -17,13 +17,19 @@ RENAMED = {f"layup.{key}": f"tuning.{key}" for key in (
     "updater_thread", "pin_host_threads", "idle_poll_s", "pack_stages", "fuse_local_step",
     "remat", "chain_forwards", "max_dispatch_ahead", "max_sends_in_flight")}
 RENAMED["host_allocator"] = "tuning.host_allocator"
+# What an algorithm name stands for beyond its code: `layup_paper` is the paper's Algorithm 1 as
+# written (one push-sum weight per device, a stage per layer), beside `layup`'s defaults. Every
+# config's `:<algorithm>` column starts from these (`paper_config`).
+ALGORITHM_SETTINGS = {
+    "layup_paper": {"layup.push_sum": "per_model", "model.granularity": "per_layer"},
+}
 
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
 
-  # The training algorithm: "layup", "ddp", "gosgd", "adpsgd", "local_sgd", "slowmo", "co2" or
-  # "diloco" (layup_jax.algorithms.names()).
+  # The training algorithm: "layup", "layup_paper" (Algorithm 1 as the paper writes it), "ddp",
+  # "gosgd", "adpsgd", "local_sgd", "slowmo", "co2" or "diloco" (layup_jax.algorithms.names()).
   config.algorithm = "layup"
   # Set by an experiment's config file (`paper_config`): its table of per-algorithm values
   # (`configs/<file>.py:<algorithm>` picks one column).
@@ -100,6 +106,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.schedule = "cosine"  # "constant", "cosine" (to zero) or "linear" (to zero)
   config.optimizer.warmup_steps = 0  # linear warm-up steps before the schedule
   config.optimizer.warmup_epochs = 0.0  # warm-up in epochs instead (used when warmup_steps is 0)
+  # Warm-up as a share of the run's steps, so that it scales with the run's length (used when
+  # warmup_steps and warmup_epochs are 0).
+  config.optimizer.warmup_fraction = 0.0
   config.optimizer.warmup_init_lr = 0.0  # learning rate at the first warm-up step
 
   config.num_steps = 0  # training steps; 0 means num_epochs * steps per epoch
@@ -263,7 +272,7 @@ def paper_config(config: ml_collections.ConfigDict, paper: dict[str, dict],
   config.columns = ml_collections.ConfigDict({name: nested(values)
                                               for name, values in paper.items()})
   config.column = algorithm if algorithm in paper else ""
-  return set_values(config, paper.get(algorithm, {}))
+  return set_values(config, {**ALGORITHM_SETTINGS.get(algorithm, {}), **paper.get(algorithm, {})})
 
 
 def nested(values: dict) -> dict:

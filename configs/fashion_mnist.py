@@ -14,16 +14,20 @@ with an inner AdamW (weight decay 1e-4), as the paper has it.
 
 from configs import base
 
+# Warm-up as a share of the run (1 of its 3 epochs where the search chose one epoch), so that a
+# shorter or longer run (`--config.num_epochs`) keeps each method's searched form.
+ONE_OF_THREE = 1 / 3
 PAPER = {}
-PAPER["ddp"] = {"optimizer.learning_rate": 0.4, "optimizer.warmup_epochs": 0.0}
-PAPER["layup"] = {"optimizer.learning_rate": 0.8, "optimizer.warmup_epochs": 1.0}
-PAPER["gosgd"] = {"optimizer.learning_rate": 0.8, "optimizer.warmup_epochs": 1.0}
-PAPER["slowmo"] = {"optimizer.learning_rate": 0.8, "optimizer.warmup_epochs": 1.0}
-PAPER["adpsgd"] = {"optimizer.learning_rate": 0.2, "optimizer.warmup_epochs": 1.0}
-PAPER["local_sgd"] = {"optimizer.learning_rate": 0.4, "optimizer.warmup_epochs": 1.0}
-PAPER["co2"] = {"optimizer.learning_rate": 0.1, "optimizer.warmup_epochs": 0.0}
+PAPER["ddp"] = {"optimizer.learning_rate": 0.4, "optimizer.warmup_fraction": 0.0}
+PAPER["layup"] = {"optimizer.learning_rate": 0.8, "optimizer.warmup_fraction": ONE_OF_THREE}
+PAPER["layup_paper"] = PAPER["layup"]  # not searched on its own: LayUp's values
+PAPER["gosgd"] = {"optimizer.learning_rate": 0.8, "optimizer.warmup_fraction": ONE_OF_THREE}
+PAPER["slowmo"] = {"optimizer.learning_rate": 0.8, "optimizer.warmup_fraction": ONE_OF_THREE}
+PAPER["adpsgd"] = {"optimizer.learning_rate": 0.2, "optimizer.warmup_fraction": ONE_OF_THREE}
+PAPER["local_sgd"] = {"optimizer.learning_rate": 0.4, "optimizer.warmup_fraction": ONE_OF_THREE}
+PAPER["co2"] = {"optimizer.learning_rate": 0.1, "optimizer.warmup_fraction": 0.0}
 PAPER["diloco"] = {"optimizer.name": "adamw", "optimizer.weight_decay": 1e-4,
-                   "optimizer.learning_rate": 0.02, "optimizer.warmup_epochs": 1.0,
+                   "optimizer.learning_rate": 0.02, "optimizer.warmup_fraction": ONE_OF_THREE,
                    "baselines.out_freq": 12}
 
 

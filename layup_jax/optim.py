@@ -15,9 +15,12 @@ import ml_collections
 import optax
 
 
-def warmup_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
-  """`warmup_steps`, or `warmup_epochs` of each device's shard when `warmup_steps` is 0."""
-  return config.warmup_steps or round(config.warmup_epochs * steps_per_epoch)
+def warmup_steps(config: ml_collections.ConfigDict, steps_per_epoch: int,
+                 num_steps: int = 0) -> int:
+  """`warmup_steps`, else `warmup_epochs` of each device's shard, else `warmup_fraction` of the
+  run's `num_steps` (a warm-up that scales with the run's length)."""
+  return (config.warmup_steps or round(config.warmup_epochs * steps_per_epoch)
+          or round(config.get("warmup_fraction", 0.0) * num_steps))
 
 
 def make_schedule(config: ml_collections.ConfigDict, num_steps: int,
@@ -26,7 +29,7 @@ def make_schedule(config: ml_collections.ConfigDict, num_steps: int,
 
   Evaluated at the run's global step (module docstring).
   """
-  peak, warmup = config.learning_rate, warmup_steps(config, steps_per_epoch)
+  peak, warmup = config.learning_rate, warmup_steps(config, steps_per_epoch, num_steps)
   decay_steps = max(num_steps - warmup, 1)
   main = {
       "constant": optax.constant_schedule(peak),

@@ -82,8 +82,8 @@ def test_an_algorithm_override_names_the_values_it_keeps_from_another_column():
   config.algorithm = "ddp"
   (note,) = column_notes(config)
   assert note == ("note: this run of ddp keeps optimizer.learning_rate=0.8, "
-                  "optimizer.warmup_epochs=1.0 where the config's ddp column has "
-                  "optimizer.learning_rate=0.4, optimizer.warmup_epochs=0.0; "
+                  f"optimizer.warmup_fraction={1 / 3!r} where the config's ddp column has "
+                  "optimizer.learning_rate=0.4, optimizer.warmup_fraction=0.0; "
                   "`--config <config file>:ddp` takes that column")
   config.algorithm = "gosgd"  # the same values as LayUp's column: nothing to say
   assert column_notes(config) == []
@@ -99,3 +99,18 @@ def test_every_algorithm_by_name_on_the_digits_config(algorithm):
   for config in (by_suffix, by_override):
     validate_config(config, 8)  # DiLoCo too: out_freq 0 follows tau
     assert column_notes(config) == []  # digits has no columns: every algorithm, same values
+
+
+def test_the_papers_variant_runs_by_name_with_algorithm_1s_settings():
+  """`:layup_paper` is Algorithm 1 as written (one weight per device, a stage per layer) on any
+  config; naming it with `--config.algorithm` alone, on `layup`'s defaults, is refused in one
+  line that says how to run it."""
+  for experiment in ("digits", "fashion_mnist"):
+    config = importlib.import_module(f"configs.{experiment}").get_config("layup_paper")
+    assert (config.layup.push_sum, config.model.granularity) == ("per_model", "per_layer")
+    validate_config(config, 8)
+  config = importlib.import_module("configs.digits").get_config()
+  config.algorithm = "layup_paper"
+  with pytest.raises(ConfigError, match=r"config.layup.push_sum='per_stage': layup_paper runs "
+                                        r"with layup.push_sum='per_model' \(`--config <file>:"):
+    validate_config(config, 8)

@@ -89,6 +89,11 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "baselines.co2_resume", ("correct", "restart"))
   _one_of(config, "distributed.compression", compression.CODECS)
 
+  for key, value in base.ALGORITHM_SETTINGS.get(config.algorithm, {}).items():
+    _require(_get(config, key) == value, key, _get(config, key),
+             f"{config.algorithm} runs with {key}={value!r} (`--config <file>:{config.algorithm}` "
+             f"sets it)")
+
   pretrained = config.model.pretrained
   if pretrained:
     _require(models.supports_pretrained(config.model.name), "model.pretrained", pretrained,
@@ -105,6 +110,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   checks: list[tuple[str, float]] = [
       ("data.batch_size", 1), ("optimizer.learning_rate", 0), ("optimizer.momentum", 0),
       ("optimizer.weight_decay", 0), ("optimizer.warmup_steps", 0), ("optimizer.warmup_epochs", 0),
+      ("optimizer.warmup_fraction", 0),
       ("optimizer.warmup_init_lr", 0), ("num_steps", 0), ("num_epochs", 0), ("eval_every", 0),
       ("tuning.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
       ("model.num_classes", 1), ("model.vocab_size", 1), ("model.vocab_multiple", 0), ("model.max_len", 1),
@@ -144,6 +150,8 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
            "needs a target: set metrics.target_accuracy (or metrics.target_perplexity)")
   _require(config.optimizer.momentum < 1, "optimizer.momentum", config.optimizer.momentum,
            "must be < 1")
+  _require(config.optimizer.warmup_fraction < 1, "optimizer.warmup_fraction",
+           config.optimizer.warmup_fraction, "must be < 1 (a share of the run's steps)")
   _require(config.model.dropout < 1, "model.dropout", config.model.dropout, "must be < 1")
   _require(config.model.stages_per_group == 1 or not config.model.get("pretrained"),
            "model.stages_per_group", config.model.stages_per_group,
