@@ -21,7 +21,8 @@ RENAMED["host_allocator"] = "tuning.host_allocator"
 # written (one push-sum weight per device, a stage per layer), beside `layup`'s defaults. Every
 # config's `:<algorithm>` column starts from these (`paper_config`).
 ALGORITHM_SETTINGS = {
-    "layup_paper": {"layup.push_sum": "per_model", "model.granularity": "per_layer"},
+    "layup_paper": {"layup.push_sum": "per_model", "model.granularity": "per_layer",
+                    "layup.local_update": "params"},
 }
 
 
@@ -124,6 +125,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Push-sum weights: "per_stage", one weight per device and stage, each stage an exact push-sum
   # instance; "per_model", one per device, as the paper's Algorithm 1 writes it.
   config.layup.push_sum = "per_stage"
+  # How a device's local step meets its push-sum weight: "params", the paper's (the step on the
+  # device's parameters, so each gradient counts in the average model by its device's weight at
+  # that moment), or "numerator" (the step on the push-sum numerator w x, as stochastic
+  # gradient push takes it: every gradient counts alike, the step scaled by the device's equal
+  # share over its weight, at most max_update_scale).
+  config.layup.local_update = "params"
+  config.layup.max_update_scale = 4.0  # the numerator form's largest factor of a local step
 
   # The periodic-averaging baselines (layup_jax/algorithms/periodic.py), named as in the paper.
   config.baselines = ml_collections.ConfigDict()
@@ -202,6 +210,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.distributed.num_processes = 1  # processes in the run (with a coordinator address)
   config.distributed.process_id = -1  # this process's index (with a coordinator address)
   config.distributed.heartbeat_timeout_s = 10  # a silent process is declared dead after this
+  # True: the coordination service runs in a process of its own (`python -m layup_jax.launch`
+  # starts it; on a cluster `python -m layup_jax.multiprocess.coordinator`), at
+  # coordinator_address, so that a gossip run survives the loss of any training process,
+  # process 0 included. False: it runs inside process 0, whose loss stops the run.
+  config.distributed.external_coordinator = False
   # The address other processes pull gossip sends from ("" = this host's address toward the
   # coordinator).
   config.distributed.transfer_host = ""

@@ -1,21 +1,27 @@
-"""Starts a multi-process run on this machine: N training processes joined by JAX's runtime.
+"""Starts a multi-process run on this machine: N training processes joined by JAX's runtime,
+and the coordination service in a process of its own.
 
   python -m layup_jax.launch --processes 2 [--devices-per-process 4] -- \\
       --config configs/<name>.py --workdir DIR [--config.key=value ...]
 
-Each process runs `python -m layup_jax.train` with the arguments after `--` and the
-`config.distributed` keys of its place (coordinator 127.0.0.1 on a free port, its process id).
-On CPU each process gets `--devices-per-process` fake devices (`num_devices` counts all of
-them); on an NVIDIA host each gets its own `--devices-per-process` GPUs through
-CUDA_VISIBLE_DEVICES (process k the k-th group of those this launcher sees), since a process
-of a distributed JAX run otherwise takes every GPU it sees. (When starting processes by hand,
-give each its own the same way; on a cluster start one process per host or per GPU with the
-same keys, see the README.) Process 0's output is shown as is, the others' prefixed `[pK]`.
-When one process fails, the others are stopped and the launcher exits with its status; with
-`--keep-going`, a process other than 0 that fails is reported and the others go on (a gossip
-run trains on without it, docs/guide/elastic.md; a DDP or periodic run stops itself in one line);
-with `--restart N` (implies `--keep-going`) it is also started again with its command, at most
-N times per process, while process 0 runs (LayUp and GoSGD take it back into the running run).
+It starts the coordinator (`python -m layup_jax.multiprocess.coordinator` on a free port:
+jax's coordination service, no devices), then each training process: `python -m
+layup_jax.train` with the arguments after `--` and the `config.distributed` keys of its place
+(the coordinator's address, `external_coordinator`, its process id). With the service apart,
+any training process may be lost, process 0 included (`--no-coordinator`: the service runs
+inside process 0, as `jax.distributed` does by default, and its loss stops the run). On CPU each
+process gets `--devices-per-process` fake devices (`num_devices` counts all of them); on an
+NVIDIA host each gets its own `--devices-per-process` GPUs through CUDA_VISIBLE_DEVICES
+(process k the k-th group of those this launcher sees), since a process of a distributed JAX run
+otherwise takes every GPU it sees. (On a cluster, start the coordinator and one training process
+per host or per GPU with the same keys: docs/guide/several_hosts.md.) Process 0's output is
+shown as is, the others' prefixed `[pK]`, the coordinator's `[coordinator]`. When one process
+fails, the others are stopped and the launcher exits with its status; with `--keep-going`, a
+failed training process is reported and the others go on (a gossip run trains on without it,
+docs/guide/elastic.md; a DDP or periodic run stops itself in one line); with `--restart N`
+(implies `--keep-going`) it is also started again with its command, at most N times per
+process, while another runs (LayUp and GoSGD take it back into the running run). The
+coordinator's own failure stops every process.
 """
 
 import argparse
@@ -34,12 +40,21 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def commands(processes: int, port: int, train_args: list[str]) -> list[list[str]]:
+def commands(processes: int, port: int, train_args: list[str],
+             external_coordinator: bool = False) -> list[list[str]]:
   """The train command of each process."""
+  external = (["--config.distributed.external_coordinator=True"] if external_coordinator
+              else [])
   return [[sys.executable, "-m", "layup_jax.train", *train_args,
            f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-           f"--config.distributed.num_processes={processes}",
+           f"--config.distributed.num_processes={processes}", *external,
            f"--config.distributed.process_id={k}"] for k in range(processes)]
+
+
+def coordinator_command(processes: int, port: int) -> list[str]:
+  """The coordinator's command: the coordination service for `processes`, on `port`."""
+  return [sys.executable, "-m", "layup_jax.multiprocess.coordinator", "--port", str(port),
+          "--processes", str(processes)]
 
 
 def environment(devices_per_process: int) -> dict[str, str]:
@@ -87,28 +102,37 @@ def _relay(process: subprocess.Popen, prefix: str) -> None:
 
 
 def run(processes: int, devices_per_process: int, train_args: list[str],
-        keep_going: bool = False, restarts: int = 0) -> int:
+        keep_going: bool = False, restarts: int = 0, coordinator: bool = True) -> int:
   """Runs the processes to the end; the first failure's exit status (0 when all succeed).
-  `keep_going`: a failed process other than 0 does not stop the others (reported in one line;
-  the launcher's status is then process 0's, or a later failure's). `restarts`: such a process
-  is also started again, at most that many times, while process 0 runs."""
+  `keep_going`: a failed training process does not stop the others (reported in one line;
+  the launcher's status is then that of the processes that ended the run). `restarts`: such a
+  process is also started again, at most that many times, while another runs. `coordinator`:
+  the coordination service in a process of its own (else inside process 0, which then may not
+  be lost: it is never kept going without, nor started again)."""
   env = environment(devices_per_process)
   gpus = gpu_groups(processes, devices_per_process, visible_gpus(env))
   keep_going = keep_going or restarts > 0
-  every = commands(processes, free_port(), train_args)
+  port = free_port()
+  every = commands(processes, port, train_args, external_coordinator=coordinator)
   relays: list[threading.Thread] = []
 
-  def start(k: int) -> subprocess.Popen:
-    mine = env if gpus[k] is None else {**env, "CUDA_VISIBLE_DEVICES": gpus[k]}
-    child = subprocess.Popen(every[k], env=mine, stdout=subprocess.PIPE,
+  def spawn(command: list[str], prefix: str, environ: dict[str, str]) -> subprocess.Popen:
+    child = subprocess.Popen(command, env=environ, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, bufsize=1)
-    relay = threading.Thread(target=_relay, args=(child, f"[p{k}] " if k else ""), daemon=True)
+    relay = threading.Thread(target=_relay, args=(child, prefix), daemon=True)
     relay.start()
     relays.append(relay)
     return child
 
+  def start(k: int) -> subprocess.Popen:
+    mine = env if gpus[k] is None else {**env, "CUDA_VISIBLE_DEVICES": gpus[k]}
+    return spawn(every[k], f"[p{k}] " if k else "", mine)
+
+  service = spawn(coordinator_command(processes, port), "[coordinator] ",
+                  {**env, "JAX_PLATFORMS": "cpu"}) if coordinator else None
   children = [start(k) for k in range(processes)]
   restarted = [0] * processes
+  spared = range(processes) if coordinator else range(1, processes)  # may be kept going
 
   def forward(signum, frame):  # Ctrl-C / SIGTERM: every process saves and stops
     for child in children:
@@ -118,15 +142,30 @@ def run(processes: int, devices_per_process: int, train_args: list[str],
   signal.signal(signal.SIGINT, forward)
   signal.signal(signal.SIGTERM, forward)
   status, reported = 0, set()
+
+  def stop_all(why: str, code: int) -> None:
+    nonlocal status
+    if not status:
+      status = code
+      print(f"launch: {why}; stopping the others (rerun the same command to resume from the "
+            f"last checkpoint)", file=sys.stderr, flush=True)
+      for child in children:
+        if child.poll() is None:
+          child.kill()
+
   while [child.poll() for child in children].count(None):  # polls each (any() would stop early)
+    if service is not None and service.poll() is not None and not status:
+      stop_all(f"the coordinator exited with status {_shell_status(service.returncode)}",
+               _shell_status(service.returncode) or 1)
     failed = [(k, c.returncode) for k, c in enumerate(children)
               if c.returncode not in (None, 0) and (k, c.pid) not in reported]
     for k, code in failed:
       reported.add((k, children[k].pid))
       how = (f"was killed by {signal.Signals(-code).name}" if code < 0
              else f"exited with status {code}")
-      if keep_going and k != 0:
-        if restarted[k] < restarts and children[0].poll() is None:
+      others_run = any(c.poll() is None for j, c in enumerate(children) if j != k)
+      if keep_going and k in spared:
+        if restarted[k] < restarts and others_run:
           restarted[k] += 1
           print(f"launch: process {k} {how}; starting it again (--restart, {restarted[k]} of "
                 f"{restarts})", file=sys.stderr, flush=True)
@@ -135,19 +174,16 @@ def run(processes: int, devices_per_process: int, train_args: list[str],
         print(f"launch: process {k} {how}; the others go on (--keep-going)", file=sys.stderr,
               flush=True)
         continue
-      if not status:
-        status = _shell_status(code)
-        print(f"launch: process {k} {how}; stopping the others (rerun the same command to "
-              f"resume from the last checkpoint)", file=sys.stderr, flush=True)
-        for child in children:
-          if child.poll() is None:
-            child.kill()
+      stop_all(f"process {k} {how}", _shell_status(code))
     time.sleep(0.1)
+  if service is not None and service.poll() is None:
+    service.terminate()
+    service.wait(timeout=30)
   for relay in relays:
     relay.join(timeout=5)
-  if not status:
-    kept = children[:1] if keep_going else children  # lost processes were reported already
-    status = next((_shell_status(c.returncode) for c in kept if c.returncode), 0)
+  if not status:  # a lost process was reported already: the others' statuses are the run's
+    kept = [c for k, c in enumerate(children) if (k, c.pid) not in reported]
+    status = next((_shell_status(c.returncode) for c in kept if c.returncode), 0 if kept else 1)
   return status
 
 
@@ -160,11 +196,14 @@ def main(argv: list[str] | None = None) -> None:
                       help="devices per process: fake CPU devices, or on an NVIDIA host "
                            "its own GPUs (CUDA_VISIBLE_DEVICES)")
   parser.add_argument("--keep-going", action="store_true",
-                      help="a process other than 0 that fails does not stop the others (a "
-                           "gossip run trains on without it)")
+                      help="a training process that fails does not stop the others (a gossip "
+                           "run trains on without it)")
   parser.add_argument("--restart", type=int, default=0, metavar="N",
-                      help="also start a failed process other than 0 again, at most N times "
+                      help="also start a failed training process again, at most N times "
                            "(implies --keep-going; LayUp and GoSGD take it back)")
+  parser.add_argument("--no-coordinator", action="store_true",
+                      help="run the coordination service inside process 0, as jax does by "
+                           "default (its loss then stops the run) instead of apart")
   parser.add_argument("train_args", nargs=argparse.REMAINDER)
   args = parser.parse_args(argv)
   train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
@@ -173,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
   if not train_args:
     parser.error("give the train arguments after --, e.g. -- --config configs/digits.py")
   sys.exit(run(args.processes, args.devices_per_process, train_args, args.keep_going,
-               args.restart))
+               args.restart, coordinator=not args.no_coordinator))
 
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ def test_a_restarted_process_takes_the_admissions_step_lost_set_and_next_gather(
 
 
 def test_a_restarted_process_whose_run_ended_says_so(store):
-  store.key_value_set("layup_jax/done/0", "1")
+  store.key_value_set("layup_jax/done/0", "1")  # process 0 is done: not the run's end
+  store.key_value_set(membership.FINISHED_KEY, "1")  # the leader said the run is done
   with pytest.raises(RejoinError, match="the run ended first"):
     membership.Membership().await_admission()
 
@@ -233,3 +234,75 @@ def test_a_gather_reads_the_other_processes_parts_and_not_its_own_back(store, mo
   assert gathers.all_gather_json({"step": 4}) == [{"step": 3}, {"step": 4}]
   assert read == ["layup_jax/gather/7/0", "layup_jax/gather/8/0"]
   assert "layup_jax/gather/7/1" in store.values  # written for the others to read
+
+
+def test_the_lowest_live_process_leads_once_the_leader_is_lost(store, monkeypatch):
+  """Process 0 leads; lost, the lowest live process leads, and keeps the lead when process 0
+  rejoins (which learns who leads from its admission); a lost process that is not the leader
+  changes nothing."""
+  monkeypatch.setattr(jax, "process_count", lambda: 4)
+  members = membership.Membership()
+  assert (members.leader, members.next_leader()) == (0, 1)
+  members.declare(store, 2, 10)
+  assert (members.leader, members.next_leader()) == (0, 1)
+  members.declare(store, 0, 20)
+  assert (members.leader, members.next_leader()) == (1, 3)
+  members.clear(0)
+  members.admit(0, step=30)
+  members.rejoined(0)
+  assert (members.leader, members.next_leader()) == (1, 0)
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  restarted = membership.Membership()
+  restarted.rejoining = True
+  restarted.await_admission()
+  assert restarted.leader == 1
+
+
+class _LeaderLostMidGather(FakeStore):
+  """Process 2 waits for gather 7's members from its leader, process 0, which dies before
+  naming them: the wait finds it declared lost (the watchdog's refresh), and process 1, leading
+  now, names the members (itself and process 2) once it sees process 2's value."""
+
+  def __init__(self, members):
+    super().__init__()
+    self.members, self.waits = members, 0
+    self.values.update({"layup_jax/gather/7/1": b'"one"'})
+
+  def blocking_key_value_get_bytes(self, key, timeout_ms):
+    if key == "layup_jax/gather/7/members":
+      self.waits += 1
+      if self.waits == 2:  # process 0 is declared lost while process 2 waits for it
+        self.key_value_set("layup_jax/lost/0", "12")
+        self.members.refresh(self)
+      if self.waits == 4:  # process 1, now the leader, names the members
+        self.key_value_set(key, b"[1, 2]")
+    return super().blocking_key_value_get_bytes(key, timeout_ms)
+
+
+def test_a_gather_whose_leader_is_lost_before_naming_its_members_takes_the_next_leaders(
+    monkeypatch):
+  members = membership.Membership()
+  members.watched, members.elastic = True, True
+  store = _LeaderLostMidGather(members)
+  monkeypatch.setattr(compat, "coordination_client", lambda: store)
+  monkeypatch.setattr(membership, "members", members)
+  monkeypatch.setattr(membership.gather_order, "next", 7)
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  monkeypatch.setattr(jax, "process_index", lambda: 2)
+  assert gathers.all_gather_json("two") == ["one", "two"]
+  assert members.leader == 1 and store.waits == 4
+
+
+def test_a_new_leader_reads_the_names_an_earlier_leader_wrote(store, monkeypatch):
+  """Process 0 named gather 7's members and died; process 1, leading now, finds its names and
+  returns those processes' values (process 0's included), not a set of its own."""
+  members = membership.Membership()
+  members.watched, members.elastic = True, True
+  monkeypatch.setattr(membership, "members", members)
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  store.values.update({"layup_jax/gather/7/0": b'"zero"', "layup_jax/gather/7/2": b'"two"',
+                       "layup_jax/gather/7/members": "[0, 1, 2]", "layup_jax/lost/0": "12"})
+  members.refresh(store)
+  assert members.leader == 1
+  assert gathers.all_gather_json("one") == ["zero", "one", "two"]

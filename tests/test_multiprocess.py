@@ -376,7 +376,7 @@ def test_the_launcher_starts_a_killed_process_again_while_process_0_runs(monkeyp
             "  time.sleep(0.01)\n"
             "print(f'process {k} ended', flush=True)\n"
             "if k == 1: again.touch()\n")
-  monkeypatch.setattr(launch, "commands", lambda processes, port, train_args: [
+  monkeypatch.setattr(launch, "commands", lambda processes, port, train_args, **_: [
       [sys.executable, "-c", script, f"--config.distributed.process_id={k}"]
       for k in range(processes)])
   monkeypatch.setattr(launch.signal, "signal", lambda *args: None)  # keep pytest's handlers

@@ -9,6 +9,7 @@ import os
 import threading
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +21,7 @@ from layup_jax import optim
 from layup_jax.algorithms.gossip import ADPSGD, GoSGD
 from layup_jax.algorithms.periodic import make_exchange
 from layup_jax.data import EvalSet, digits
+from layup_jax.models.staged import StagedModel
 from layup_jax.pushsum import consensus, mixing
 from layup_jax.run.evaluation import Evaluator
 from layup_jax.runtime import scheduler as threads
@@ -797,3 +799,53 @@ def test_the_idle_poll_is_chosen_by_the_devices_platform_unless_configured(confi
     assert runtime.dispatcher.max_poll_s == runtime.updater.max_poll_s == expected
   finally:
     runtime.close()
+
+
+class _Bias(nn.Module):
+  """One stage whose output is a learned bias: under `_bias_loss` its gradient is the same
+  constant on every device and at every point, so the average model's path is known exactly."""
+
+  @nn.compact
+  def __call__(self, x):
+    bias = self.param("bias", nn.initializers.zeros, (4,))
+    return jnp.zeros((x.shape[0], 4)) + bias
+
+
+def _bias_loss(logits, labels):
+  return jnp.sum(jnp.mean(logits, axis=0) * jnp.arange(1.0, 5.0))  # gradient [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("local_update", ["numerator", "params"])
+def test_the_numerator_form_counts_every_devices_gradient_alike_in_the_average(local_update):
+  """4 devices, a constant gradient g, plain SGD at learning rate 0.1, random peers: each local
+  step moves the push-sum average by lr g / 4 in the numerator form, whatever the device's
+  weight (it never fell below a quarter of its share here, the bound), so after 40 steps it
+  sits at -40 lr g / 4; in the paper's form each step counts by its device's weight at that
+  moment, and the weights spread, so it does not."""
+  model = StagedModel([_Bias()], loss_fn=_bias_loss)
+  runtime = make_layup_runtime(4, model=model, tx=optax.sgd(0.1), local_update=local_update,
+                               max_update_scale=1e9)
+  runtime.compile()
+  weights_seen = []
+  for k in range(40):
+    weights_seen.append(runtime.store.weights.values[k % 4][0])
+    runtime.iterate_serial(k % 4)
+  runtime.close()
+  average = np.asarray(_average(runtime)[0]).ravel()  # the stage packed: its bias
+  expected = -40 * 0.1 * np.arange(1.0, 5.0) / 4
+  assert max(weights_seen) / min(weights_seen) > 2  # the weights did spread
+  if local_update == "numerator":
+    np.testing.assert_allclose(average, expected, rtol=1e-5)
+  else:
+    assert np.abs(average - expected).max() > 0.01 * np.abs(expected).max()
+
+
+def test_the_numerator_forms_scale_is_the_equal_share_over_the_weight_at_most_its_bound():
+  weights = mixing.PushSumWeights(4, 1)
+  weights.halve(0, 0)
+  weights.halve(0, 0)  # w = 1/16: a quarter of its share
+  assert weights.update_scale(0, 0, max_scale=8.0) == pytest.approx(4.0)
+  assert weights.update_scale(0, 0, max_scale=2.0) == 2.0
+  assert weights.update_scale(0, 0, 8.0, arriving=3 / 16) == pytest.approx(1.0)
+  weights.equal_share = 1 / 2  # an elastic run with two devices left
+  assert weights.update_scale(1, 0, max_scale=8.0) == pytest.approx(2.0)

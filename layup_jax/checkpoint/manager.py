@@ -116,6 +116,7 @@ class Checkpoints:
     multiprocessing = ocp.options.MultiprocessingOptions()
     if self.processes is not None:  # every member opens it at the same step: the same prefix
       multiprocessing = ocp.options.MultiprocessingOptions(
+          primary_host=min(self.processes),  # process 0 may be among the lost
           active_processes=set(self.processes),
           barrier_sync_key_prefix=f"live-{'-'.join(map(str, self.processes))}-"
                                   f"{self._since_step}")

@@ -68,17 +68,18 @@ class Elastic:
       self.rt.store.weights.rescale([1.0 / sum(column) for column in zip(*parts)])
 
   def _admit(self, step: int) -> None:
-    """Admits a lost process that was started again and asked to rejoin. Process 0 decides
+    """Admits a lost process that was started again and asked to rejoin. The leader decides
     and clears its earlier run's notices; then every live process gives it its share: the live
     devices in turn each give one of its devices every stage with half the stage's push-sum
     weight, as a send does, and since that device's weight is 0 it takes the giver's replica;
     each waits until its gifts are merged, so the point stays consistent and every sum exact."""
-    rt, members, primary = self.rt, membership.members, jax.process_index() == 0
+    rt, members = self.rt, membership.members
+    primary = jax.process_index() == members.leader
     joining = members.joining() if primary else []
     for process in joining:  # before anyone hears of it: no notice of the earlier run is read
       rt.transport.forget(process)
       members.clear(process)
-    joining = gathers.all_gather_json(joining)[0]
+    joining = next((j for j in gathers.all_gather_json(joining) if j), [])  # the leader's
     if not joining:
       return
     process = joining[0]
@@ -97,7 +98,7 @@ class Elastic:
 
   def rejoin(self) -> int:
     """This process was started again after being declared lost (`membership.members.
-    rejoining`): asks to rejoin, and once process 0 admits it at the run's next consistent
+    rejoining`): asks to rejoin, and once the leader admits it at the run's next consistent
     point, its devices, at push-sum weight 0, each take a live device's replica with half its
     weight (`_admit`; their optimizer state starts afresh) and train on from the run's step,
     which this returns."""

@@ -45,25 +45,49 @@ def await_value(client, key: str, writer: int) -> bytes:
 
 def _read_gather(client, prefix: str, mine: bytes) -> list[bytes]:
   """The values gather `prefix` holds, in process order: every process's, or in an elastic run
-  those of the processes process 0 names (every live process that wrote its value; one lost
-  before writing it is left out), so that every survivor reads the same set. This process's
-  own is `mine`, not read back: on another host than the store's, it would cross the link
-  again (an evaluation's model)."""
+  those of the processes the run's leader names (every live process that wrote its value; one
+  lost before writing it is left out), so that every survivor reads the same set. A leader
+  lost before naming them is followed by the next one, which names them itself; the first
+  names written are the ones every process reads. This process's own value is `mine`, not
+  read back: on another host than the store's, it would cross the link again (an
+  evaluation's model)."""
   me = jax.process_index()
   read = lambda k: mine if k == me else await_value(client, f"{prefix}/{k}", k)
   if not membership.members.elastic:
     return [read(k) for k in range(jax.process_count())]
-  if me != 0:
-    names = json.loads(await_value(client, f"{prefix}/members", 0).decode())
+  key = f"{prefix}/members"
+  while True:
+    leader = membership.members.leader
+    if me == leader:
+      values = _name_members(client, key, read)
+      return [values[k] for k in sorted(values)]
+    try:
+      names = json.loads(await_value(client, key, leader).decode())
+    except ProcessLostError as error:
+      if error.process != leader:
+        raise
+      continue  # the leader was lost before naming them: the next one does
     return [read(k) for k in names]
+
+
+def _name_members(client, key: str, read) -> dict[int, bytes]:
+  """The leader's part of a gather: the values of the live processes it could read, their
+  names written under `key`, unless a leader before it wrote names already (then those
+  processes' values)."""
   values: dict[int, bytes] = {}
   for k in range(jax.process_count()):
     if membership.members.is_lost(k):
       continue
     with contextlib.suppress(ProcessLostError):  # lost before writing it: left out
       values[k] = read(k)
-  client.key_value_set(f"{prefix}/members", json.dumps(sorted(values)))
-  return [values[k] for k in sorted(values)]
+  try:
+    client.key_value_set(key, json.dumps(sorted(values)))  # never over an earlier leader's
+  except Exception:  # noqa: BLE001 - ALREADY_EXISTS: the earlier leader's names stand
+    earlier = try_get(client, key)
+    if earlier is None:
+      raise
+    values = {k: values[k] if k in values else read(k) for k in json.loads(earlier)}
+  return values
 
 
 def all_gather_json(value) -> list:

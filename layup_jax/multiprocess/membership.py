@@ -23,9 +23,12 @@ def try_get(client, key: str) -> str | None:
     raise
 
 
+FINISHED_KEY = "layup_jax/finished"  # written by the run's leader when the run is done
+
+
 def run_finished() -> bool:
-  """Whether process 0 has said it is done (`Watchdog.finish`)."""
-  return try_get(compat.coordination_client(), "layup_jax/done/0") is not None
+  """Whether the run's leader has said the run is done (`Watchdog.finish`)."""
+  return try_get(compat.coordination_client(), FINISHED_KEY) is not None
 
 
 class ProcessLostError(RuntimeError):
@@ -57,17 +60,19 @@ class Membership:
   """Which processes of the run are lost (an elastic gossip run goes on without them), and
   which of them rejoin.
 
-  Process 0, which hosts the coordination service, is the one authority: its watchdog declares
-  a silent process lost (`declare`, a key `layup_jax/lost/<k>` holding the step), every
-  process's watchdog reads those keys (`refresh`) and calls its listeners once per lost
-  process. A gather between processes then takes the live ones only, with process 0 naming
-  each gather's members, so that every survivor reads the same set even when a process dies
-  mid-gather.
+  The run's leader is the one authority: process 0, and once the leader is lost the lowest
+  live process (every process reads the same declarations, so all agree; a process that
+  rejoins does not take the lead back). Its watchdog declares a silent process lost
+  (`declare`, a key `layup_jax/lost/<k>` holding the step; the leader itself is declared by
+  the process that leads after it), every process's watchdog reads those keys (`refresh`) and
+  calls its listeners once per lost process. A gather between processes then takes the live
+  ones only, with the leader naming each gather's members, so that every survivor reads the
+  same set even when a process, the leader included, dies mid-gather.
 
   A lost process started again with its id (`rejoining`) asks to rejoin (`await_admission`);
-  at the run's next consistent point process 0 admits it (`joining`, `clear`, `admit`: the
-  step and the gather it joins at), and every live process calls its listeners' `on_rejoined`
-  (`rejoined`)."""
+  at the run's next consistent point the leader admits it (`joining`, `clear`, `admit`: the
+  step and the gather it joins at, and who leads), and every live process calls its
+  listeners' `on_rejoined` (`rejoined`)."""
 
   def __init__(self):
     self._lock = threading.Lock()
@@ -82,6 +87,15 @@ class Membership:
     self.grace_s = 0.0
     # This process was started again after being declared lost, and is not admitted yet.
     self.rejoining = False
+    self.leader = 0  # the process that writes the records and decides for the run
+    # The coordination service runs in a process of its own: process 0 may be lost too.
+    self.external_coordinator = False
+
+  def next_leader(self) -> int | None:
+    """The process that leads should the leader be lost: the lowest other live process."""
+    with self._lock:
+      return min((k for k in range(jax.process_count())
+                  if k not in self.lost and k != self.leader), default=None)
 
   def await_loss(self, process: int) -> bool:
     """Whether `process` is declared lost within `grace_s` (a pull from it just failed)."""
@@ -123,6 +137,9 @@ class Membership:
                for key, value in client.key_value_dir_get("layup_jax/lost/")]
       new = [(k, step) for k, step in found if k not in self.lost]
       self.lost.update(new)
+      if self.leader in self.lost:  # the lowest live process leads from now on
+        self.leader = min((k for k in range(jax.process_count()) if k not in self.lost),
+                          default=self.leader)
       listeners = list(self._listeners)
     for process, step in new:
       for on_lost in listeners:
@@ -132,7 +149,7 @@ class Membership:
   # --- rejoining ------------------------------------------------------------------------------
 
   def joining(self) -> list[int]:
-    """Process 0, at a consistent point: the lost process that asked to rejoin first, if any
+    """The leader, at a consistent point: the lost process that asked to rejoin first, if any
     (one per consistent point)."""
     client = compat.coordination_client()
     asked = sorted(int(key.rsplit("/", 1)[1])
@@ -141,17 +158,17 @@ class Membership:
 
   @staticmethod
   def clear(process: int) -> None:
-    """Process 0, before telling the others: `process` is no longer declared lost."""
+    """The leader, before telling the others: `process` is no longer declared lost."""
     client = compat.coordination_client()
     for kind in ("lost", "join", "joining"):
       client.key_value_delete(f"layup_jax/{kind}/{process}")
 
   def admit(self, process: int, step: int) -> None:
-    """Process 0, right after the gather that told every live process: `process` joins at
+    """The leader, right after the gather that told every live process: `process` joins at
     `step`, its next gather being the live processes' next."""
     with self._lock:
       lost = [[k, s] for k, s in self.lost.items() if k != process]
-    admission = {"step": step, "gather": gather_order.next, "lost": lost}
+    admission = {"step": step, "gather": gather_order.next, "lost": lost, "leader": self.leader}
     compat.coordination_client().key_value_set(f"layup_jax/admit/{process}",
                                                json.dumps(admission), allow_overwrite=True)
 
@@ -164,7 +181,7 @@ class Membership:
       on_rejoined(process)
 
   def await_admission(self) -> dict:
-    """The restarted process: asks to rejoin and waits until process 0 admits it at a
+    """The restarted process: asks to rejoin and waits until the leader admits it at a
     consistent point; then gathers with the others. Returns the admission (`step`, and the
     processes still `lost`); raises if the run ends first."""
     me, client = jax.process_index(), compat.coordination_client()
@@ -182,6 +199,7 @@ class Membership:
           raise RejoinError(f"process {me} was not admitted back: the run ended first")
     client.key_value_delete(f"layup_jax/admit/{me}")
     gather_order.next = admission["gather"]
+    self.leader = admission.get("leader", 0)
     with self._lock:
       self.lost = {k: step for k, step in admission["lost"]}
       self.rejoining = False

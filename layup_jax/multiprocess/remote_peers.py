@@ -144,7 +144,7 @@ class RemotePeers:
     self.lost = self.lost - {process}
 
   def forget(self, process: int) -> None:
-    """Process 0, admitting `process` back: deletes every notice and acknowledgement between
+    """The leader, admitting `process` back: deletes every notice and acknowledgement between
     its earlier run and the others (no process sends or receives at this point)."""
     self._client.key_value_delete(f"layup_jax/gossip/{process}")
     self._client.key_value_delete(f"layup_jax/gossip-ack/{process}")

@@ -7,13 +7,16 @@ process (process 0's first), and `config.num_devices` counts them all.
 
 A run's devices are `jax.devices()[:num_devices]`; a device's *position* in that list is its
 global index (device ids are not positions: on CPU, process 1's ids start at 2048). Each process
-feeds only its own devices (`local_positions`), and only process 0 writes records
-(`is_primary`). Checkpoints are one Orbax checkpoint of the whole run, written by every process
+feeds only its own devices (`local_positions`), and only the run's leader writes records
+(`is_primary`): process 0, or after its loss the lowest live process (`membership`). The
+coordination service runs in process 0, or with `external_coordinator` in a process of its own
+(`multiprocess/coordinator.py`), every training process then its client. Checkpoints are one Orbax checkpoint of the whole run, written by every process
 together into the workdir, which must be on a filesystem every process sees; a stop request
 (SIGTERM, Ctrl-C) takes effect at the next evaluation or checkpoint, where the processes agree
 on it. Every algorithm runs across processes: DDP; LayUp, GoSGD and AD-PSGD, their sends and
-pairwise averages with other processes' devices through layup_jax/multiprocess/remote_peers.py; the periodic
-baselines, their average an all-reduce over every process's devices (layup_jax/algorithms/collectives.py).
+pairwise averages with other processes' devices through multiprocess/remote_peers.py; the
+periodic baselines, their average an all-reduce over every process's devices
+(algorithms/collectives.py).
 In the gossip and periodic algorithms' checkpoints each process writes its own devices'
 replicas (rows of arrays sharded over the run's devices, `checkpointing.DeviceRows`) and
 process 0 the state every process holds the same, with the metadata gathered from all
@@ -27,6 +30,8 @@ import ml_collections
 import numpy as np
 
 from layup_jax.errors import ConfigError
+from layup_jax.multiprocess import membership
+from layup_jax.platform import compat
 
 AUTO = "auto"  # distributed.coordinator_address: JAX's cluster auto-detection (SLURM, ...)
 
@@ -39,6 +44,7 @@ class Settings:
   num_processes: int | None
   process_id: int | None
   heartbeat_timeout_s: int
+  external_coordinator: bool = False  # the service runs in a process of its own
 
 
 def settings(config: ml_collections.ConfigDict) -> Settings | None:
@@ -50,8 +56,9 @@ def settings(config: ml_collections.ConfigDict) -> Settings | None:
       raise ConfigError("config.distributed.num_processes/process_id need "
                         "config.distributed.coordinator_address (host:port of process 0)")
     return None
+  external = bool(config.get("external_coordinator", False))
   if address == AUTO:
-    return Settings(None, None, None, config.heartbeat_timeout_s)
+    return Settings(None, None, None, config.heartbeat_timeout_s, external)
   if ":" not in address:
     raise ConfigError(f"config.distributed.coordinator_address={address!r}: host:port of "
                       f"process 0 (for example 127.0.0.1:12355), or {AUTO!r}")
@@ -59,7 +66,8 @@ def settings(config: ml_collections.ConfigDict) -> Settings | None:
     raise ConfigError(
         f"config.distributed: process_id={config.process_id} must be in [0, num_processes="
         f"{config.num_processes}) when the coordinator address is given")
-  return Settings(address, config.num_processes, config.process_id, config.heartbeat_timeout_s)
+  return Settings(address, config.num_processes, config.process_id, config.heartbeat_timeout_s,
+                  external)
 
 
 def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> bool:
@@ -74,7 +82,10 @@ def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> 
     return True
   if recoverable:
     jax.config.update("jax_enable_recoverability", True)
-  jax.distributed.initialize(
+  membership.members.external_coordinator = chosen.external_coordinator
+  join = (compat.initialize_without_service if chosen.external_coordinator
+          else jax.distributed.initialize)
+  join(
       coordinator_address=chosen.coordinator_address,
       num_processes=chosen.num_processes,
       process_id=chosen.process_id,
@@ -87,8 +98,10 @@ def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> 
 
 
 def is_primary() -> bool:
-  """Whether this process writes the run's records (metrics, summary, plots): process 0."""
-  return jax.process_index() == 0
+  """Whether this process is the run's leader, which writes its records (metrics, summary,
+  plots): process 0, or after its loss the lowest live process (`membership.Membership`)."""
+  members = membership.members
+  return jax.process_index() == members.leader and not members.rejoining
 
 
 def local_positions(devices) -> list[int]:

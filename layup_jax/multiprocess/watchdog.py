@@ -27,10 +27,13 @@ class Watchdog:
   the watchdog being a thread of its own) is named, and this process exits with status 4 at
   once: a collective with a dead peer would otherwise wait, and JAX's own heartbeat, set
   longer, would abort the process without saying which one. A process that finished says so
-  and is not waited for. Losing the coordinator (process 0) is reported the same way.
+  and is not waited for. Losing the coordination service (in process 0, or in a process of
+  its own) is reported the same way.
 
-  `elastic`: a silent process other than 0 is not fatal: process 0 declares it lost
-  (`Membership`) and says so in one line; every process reads the declarations each period.
+  `elastic`: a silent process is not fatal: the run's leader declares it lost (`Membership`;
+  the leader itself is declared by the process next in line) and says so in one line; every
+  process reads the declarations each period. Where the service runs inside process 0, that
+  process's silence is fatal for all, as the service's loss is.
   """
 
   EXIT_STATUS = 4
@@ -41,27 +44,38 @@ class Watchdog:
     self._timeout_s, self._period_s = timeout_s, period_s
     self._elastic = membership.members.elastic = elastic
     membership.members.watched = True
-    if elastic:  # a never-seen process is given 3x the timeout, then process 0 declares it
+    self._external = membership.members.external_coordinator
+    if elastic:  # a never-seen process is given 3x the timeout, then the leader declares it
       membership.members.grace_s = 3 * timeout_s + 2 * period_s
-    if elastic and self._me == 0:
-      print("elastic gossip: a lost process other than 0 is left behind and the others train "
-            "on (the same command started again for it rejoins); process 0 hosts the run's "
-            "coordination service, so its loss stops every process (rerun to resume from the "
-            "last checkpoint)", file=sys.stderr, flush=True)
-    if elastic and self._me != 0 and self._exists(self._key("alive", self._me)):
+    if elastic and self._me == 0 and not self._exists(self._key("alive", self._me)):
+      print(self._elastic_line(), file=sys.stderr, flush=True)
+    if elastic and (self._me != 0 or self._external) and self._exists(
+        self._key("alive", self._me)):
       self._await_declared_lost()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
     self._thread.start()
+
+  def _elastic_line(self) -> str:
+    """What an elastic run survives, said once at its start."""
+    if self._external:
+      return ("elastic gossip: a lost process is left behind and the others train on (the same "
+              "command started again for it rejoins); the coordination service runs in a "
+              "process of its own, whose loss stops every process (rerun to resume from the "
+              "last checkpoint)")
+    return ("elastic gossip: a lost process other than 0 is left behind and the others train "
+            "on (the same command started again for it rejoins); process 0 hosts the run's "
+            "coordination service, so its loss stops every process (rerun to resume from the "
+            "last checkpoint; `launch` runs the service apart, and so survives process 0)")
 
   def _key(self, kind: str, k: int) -> str:
     return f"layup_jax/{kind}/{k}"
 
   def _await_declared_lost(self) -> None:
     """This process was started again into a running run (its earlier self's heartbeat is in
-    the store): it stays silent until process 0 has declared that one lost, then rejoins
-    (`Membership.await_admission`, from the runtime)."""
-    print(f"process {self._me} started again into its running run: it rejoins once process 0 "
+    the store): it stays silent until the run's leader has declared that one lost, then
+    rejoins (`Membership.await_admission`, from the runtime)."""
+    print(f"process {self._me} started again into its running run: it rejoins once the run "
           f"has declared its earlier run lost (within {3 * self._timeout_s:g} s)",
           file=sys.stderr, flush=True)
     # Process 0 waits for a process that is rejoining before it ends the run (`finish`).
@@ -105,17 +119,21 @@ class Watchdog:
       except Exception as error:  # noqa: BLE001 - the coordination service itself is gone
         if self._stop.is_set():
           return
-        self._die(f"lost the run's coordinator, process 0 ({type(error).__name__}: "
-                  f"{(str(error).splitlines() or [''])[0][:160]})")
+        where = "its own process" if self._external else "process 0"
+        self._die(f"lost the run's coordination service ({where}: {type(error).__name__}: "
+                  f"{(str(error).splitlines() or [''])[0][:160]}); no checkpoint can be written "
+                  f"without it (the processes' saves meet at its barriers)")
 
   def _silent(self, k: int) -> None:
     """Process k has not answered for `timeout_s`."""
-    if not self._elastic or k == 0:
+    if not self._elastic or (k == 0 and not self._external):
       self._die(f"process {k} of the run stopped answering for {self._timeout_s:g} s "
                 f"(it died, or lost the coordinator)")
-    if self._me != 0:
-      return  # process 0 decides (and says so); its own silence is fatal here
-    step = membership.members.step
+    members = membership.members
+    decides = members.next_leader() if k == members.leader else members.leader
+    if self._me != decides:
+      return  # the leader decides (and says so); the leader, the process next in line
+    step = members.step
     membership.members.declare(self._client, k, step)
     live = set(membership.members.live())
     devices = sum(1 for d in jax.devices() if d.process_index in live)
@@ -123,7 +141,7 @@ class Watchdog:
           flush=True)
 
   def _leave_unadmitted(self) -> None:
-    """A process that was rejoining finds the run ended: it says so and lets process 0 go."""
+    """A process that was rejoining finds the run ended: it says so and lets the others go."""
     self._client.key_value_set(self._key("done", self._me), "1", allow_overwrite=True)
     self._die("the run ended before this process could rejoin it", "Nothing to do")
 
@@ -141,19 +159,23 @@ class Watchdog:
   def finish(self) -> None:
     """This process is done (or failed on its own): the others stop waiting for it.
 
-    In an elastic run JAX keeps no shutdown barrier (recoverability), so process 0, which
+    In an elastic run JAX keeps no shutdown barrier (recoverability), so process 0, where it
     hosts the coordination service, would leave while another process still uses it, and
     that one's client aborts it (found: the last process of a finished run ended by SIGABRT).
     So the others leave JAX's runtime right after saying they are done, and process 0 waits
-    for every live or rejoining process's word (at most `_FAREWELL_S`) and a moment more."""
+    for every live or rejoining process's word (at most `_FAREWELL_S`) and a moment more. With
+    the service in a process of its own, every process leaves at once. The leader also says
+    the run is done (a process still waiting to rejoin then leaves)."""
     self._stop.set()
     self._thread.join(timeout=5)
     membership.members.watched = False
     with contextlib.suppress(Exception):  # the service may be gone already: nothing to tell
       self._client.key_value_set(self._key("done", self._me), "1", allow_overwrite=True)
+      if self._me == membership.members.leader and not membership.members.rejoining:
+        self._client.key_value_set(membership.FINISHED_KEY, "1", allow_overwrite=True)
     if not self._elastic:
       return
-    if self._me != 0:
+    if self._me != 0 or self._external:
       with contextlib.suppress(Exception):
         jax.distributed.shutdown()
       return

@@ -8,8 +8,13 @@ never an AttributeError from deep inside a run.
 - The batched copy of a stage onto one device (`transfer.py`): jax's own runtime calls below
   `jax.device_put`, about 4x cheaper per stage. `BATCHED_COPY` is None where they are missing;
   `transfer.implementation` also checks once that they give what `jax.device_put` gives.
-- The coordination service's client and the coordinator's address (`distributed.py`,
-  `crossprocess.py`): jax has no public handle to either.
+- The coordination service's client and the coordinator's address (`multiprocess/`): jax has
+  no public handle to either.
+- The coordination service in a process of its own (`multiprocess/coordinator.py`), and
+  `jax.distributed.initialize` joining it as a client from process 0 too
+  (`initialize_without_service`): jax starts the service inside process 0, with no option
+  against it. `EXTERNAL_COORDINATOR` says whether this jax allows it (tests/test_compat.py
+  fails when a jax moves what it needs).
 - The transfer server between processes (`crossprocess.py`): `jax.experimental.transfer`.
 - Orbax's barrier between processes (`checkpointing.py`): a flag of Orbax's.
 - The persistent compilation cache's key for a program on one device (`compile_cache.py`):
@@ -17,6 +22,7 @@ never an AttributeError from deep inside a run.
   devices: jax's compiler writes from process 0 only.
 """
 
+import inspect
 import threading
 import types
 import warnings
@@ -56,6 +62,66 @@ def coordination_client():
 def coordinator_address() -> str | None:
   """`host:port` of the coordinator this process joined, None outside a multi-process run."""
   return _distributed_state().coordinator_address
+
+
+def _external_coordinator_supported() -> bool:
+  """Whether `jax.distributed.initialize` starts process 0's service through
+  `_jax.get_distributed_runtime_service`, looked up when it runs (so that it can be bypassed),
+  and that function exists."""
+  try:
+    from jax._src import distributed as jax_distributed
+
+    return (callable(jax_distributed._jax.get_distributed_runtime_service)
+            and "_jax.get_distributed_runtime_service(" in inspect.getsource(
+                jax_distributed.State.initialize))
+  except (ImportError, AttributeError, OSError, TypeError):
+    return False
+
+
+EXTERNAL_COORDINATOR = _external_coordinator_supported()
+
+
+def start_coordination_service(bind_address: str, num_processes: int, heartbeat_timeout_s: int,
+                               shutdown_timeout_s: int = 300):
+  """jax's coordination service (key-value store, barriers, liveness) in this process, which
+  needs no devices; recoverable, so that a lost client is let go and a restarted one let in."""
+  from jax._src.lib import _jax
+
+  return _jax.get_distributed_runtime_service(
+      bind_address, num_processes, heartbeat_timeout=heartbeat_timeout_s,
+      shutdown_timeout=shutdown_timeout_s, recoverable=True)
+
+
+class _WithoutService:
+  """jaxlib's module as `jax.distributed.initialize` sees it, less the service it would start
+  in process 0."""
+
+  def __init__(self, module):
+    self._module = module
+
+  def __getattr__(self, name):
+    return getattr(self._module, name)
+
+  @staticmethod
+  def get_distributed_runtime_service(*args, **kwargs):
+    return None
+
+
+def initialize_without_service(**kwargs) -> None:
+  """`jax.distributed.initialize(**kwargs)` as a client only, also in process 0: the service
+  runs elsewhere (`start_coordination_service`, another process)."""
+  if not EXTERNAL_COORDINATOR:
+    raise RuntimeError(f"jax {jax.__version__} gives no way to join a coordination service "
+                       f"of its own process (layup_jax/platform/compat.py); run without "
+                       f"config.distributed.external_coordinator")
+  from jax._src import distributed as jax_distributed
+
+  real = jax_distributed._jax
+  jax_distributed._jax = _WithoutService(real)
+  try:
+    jax.distributed.initialize(**kwargs)
+  finally:
+    jax_distributed._jax = real
 
 
 def start_transfer_server(client, address: str, transport_addresses: list[str]):

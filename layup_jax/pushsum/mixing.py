@@ -51,6 +51,9 @@ class PushSumWeights:
     several), so that the sum over the whole run is 1."""
     share = 1.0 / (total_devices or num_devices)
     self.values = [[share] * num_stages for _ in range(num_devices)]
+    # A device's weight at equal shares, 1 / (devices in the average): what `update_scale`
+    # divides by the device's weight (set anew when an elastic run loses or regains devices).
+    self.equal_share = share
 
   def halve(self, sender: int, s: int) -> float:
     """`w_{i,s} <- w_{i,s} / 2`; returns the halved amount, which travels with the stage."""
@@ -71,6 +74,21 @@ class PushSumWeights:
     flight carries weight)."""
     for row in self.values:
       row[:] = [w * f for w, f in zip(row, factors)]
+
+  def update_scale(self, i: int, s: int, max_scale: float, arriving: float = 0.0) -> float:
+    """The factor of device i's local update of stage s in the numerator form: its equal
+    share over its weight, `(1/n) / w_{i,s}`, at most `max_scale` (`arriving`: an amount a
+    merge adds to w_{i,s} just before the update).
+
+    A local step `x_{i,s} <- x_{i,s} - eta u` moves the push-sum average
+    `sum_i w_{i,s} x_{i,s}` by `eta w_{i,s} u`: each gradient counts by its device's weight at
+    that moment, and random-peer push-sum weights spread wide (a device that sent twice and
+    received nothing holds a quarter of its share), which makes the average's gradient as noisy
+    as a smaller batch's. Scaled by `(1/n) / w_{i,s}`, the step moves the average by
+    `eta u / n` whatever the weight, as the step on the push-sum numerator `w x` does in
+    stochastic gradient push (Assran et al. 2019); the bound keeps a device whose weight is
+    near 0 from taking a step many times the learning rate."""
+    return min(self.equal_share / max(self.values[i][s] + arriving, 1e-300), max_scale)
 
   def sums(self) -> list[float]:
     """The weight sum of each stage (1 while no weight is lost)."""

@@ -45,6 +45,7 @@ class MetricsWriter:
     self.workdir = workdir
     self._events, self._file = None, None
     self.records: list[dict[str, Any]] = []  # every record of the run, as written
+    self.files = files
     if not files:
       return
     if tensorboard:
@@ -88,8 +89,12 @@ class MetricsWriter:
 
 
 def read_metrics(workdir: pathlib.Path) -> list[dict[str, Any]]:
-  with (pathlib.Path(workdir) / "metrics.jsonl").open() as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The records of `metrics.jsonl`; a last line cut short (its writer was killed mid-line) is
+  left out."""
+  lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines(keepends=True)
+  if lines and not lines[-1].endswith("\n"):
+    lines = lines[:-1]
+  return [json.loads(line) for line in lines if line.strip()]
 
 
 class ProgressLog:

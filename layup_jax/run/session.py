@@ -101,9 +101,7 @@ class Session:
     except BaseException:
       self.dataset.close()
       raise
-    self.primary = setup.is_primary()
-    self.evaluator = Evaluator(self.model, self.dataset.test, self.devices[0]) if self.primary \
-        else None
+    self.evaluator: Evaluator | None = None  # built by the leader when it first evaluates
     # The iterations of one step that this process's runtime counts: its own devices' (a
     # gossip runtime across processes), else every device's.
     self.per_step = self.runtime.num_devices
@@ -111,14 +109,25 @@ class Session:
     self.writer: MetricsWriter | None = None
     self.start_step, self.train_time, self.compile_s = 0, 0.0, 0.0
     self.flops_per_iteration, self.peak = None, flops.peak_flops(self.devices[0])
-    self.record: dict[str, Any] | None = None  # the latest test record (process 0)
+    self.record: dict[str, Any] | None = None  # the latest test record (the leader)
     self.latencies: list[list[float]] | None = None  # every sample of this process, per stage
-    self.remote_latencies: list[float] = []  # every send between processes (process 0)
+    self.remote_latencies: list[float] = []  # every send between processes (the leader)
     self._saved_step: int | None = None
     self.checkpoints_given_up: list[int] = []  # saves under way when a process was lost
     self.stopped_at_target = False  # `metrics.stop_at_target` ended the run early
     self.rejoined_at: int | None = None  # the step at which this process rejoined its run
     self._bar: tqdm.tqdm | None = None
+
+  @property
+  def devices_here(self) -> list:
+    """The run's devices that this process drives."""
+    return [d for d in self.devices if d.process_index == jax.process_index()]
+
+  @property
+  def primary(self) -> bool:
+    """Whether this process leads the run: evaluates, writes the records and the summary
+    (process 0, or after its loss the lowest live process, `multiprocess.membership`)."""
+    return setup.is_primary()
 
   # --- build, restore, compile ----------------------------------------------------------------
 
@@ -216,7 +225,7 @@ class Session:
 
   def _ends_at_target(self, hooks: list[Every]) -> bool:
     """Whether `metrics.stop_at_target` ends the run here: this step was evaluated and reached
-    the target. Only process 0 evaluates; every process takes its answer."""
+    the target. Only the leader evaluates; every process takes its answer."""
     metrics = self.config.metrics
     if not metrics.get("stop_at_target", False) or not any(
         hook.action == self.evaluate for hook in hooks):
@@ -226,7 +235,7 @@ class Session:
       key, target, higher = self._target()
       reached = measurements.time_to_target([self.record], target, key, higher) is not None
     if jax.process_count() > 1:
-      reached = gathers.all_gather_json(reached)[0]
+      reached = any(gathers.all_gather_json(reached))  # the leader's answer
     return reached
 
   def _target(self) -> tuple[str, float, bool]:
@@ -265,12 +274,25 @@ class Session:
                         zip(self.latencies or [[] for _ in recent], recent)]
     return measurements.stage_latency_ms(recent)
 
+  def _take_the_lead(self, step: int) -> None:
+    """This process leads from now on (the leader before it was lost): it writes the records
+    from here, keeping those written up to `step`, and evaluates on its own first device."""
+    self.writer.close()
+    self.writer = MetricsWriter(self.workdir, keep_through_step=step,
+                                tensorboard=self.config.metrics.get("tensorboard", False))
+    print(f"process {jax.process_index()} leads the run from step {step}: it evaluates and "
+          f"writes the records", file=sys.stderr, flush=True)
+
   def evaluate(self, step: int, write: bool = True) -> None:
-    """Every process collects the run's statistics (a collective); process 0 evaluates the
+    """Every process collects the run's statistics (a collective); the leader evaluates the
     consensus model and writes the train row since the last one and the test row."""
     self.runtime.stats.collect()
     if not self.primary:
       return
+    if not self.writer.files:
+      self._take_the_lead(step)
+    if self.evaluator is None:
+      self.evaluator = Evaluator(self.model, self.dataset.test, self.devices_here[0])
     stats = self.runtime.stats
     train_loss, sums = stats.train_loss(), stats.weight_sums()
     common = {"step": step, "time_s": self.train_time, "weight_sum_min": min(sums),

@@ -81,6 +81,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "optimizer.schedule", optim.SCHEDULES)
   _one_of(config, "layup.bn_policy", options.BN_POLICIES)
   _one_of(config, "layup.push_sum", options.PUSH_SUM)
+  _one_of(config, "layup.local_update", options.LOCAL_UPDATES)
   _one_of(config, "tuning.pin_host_threads", options.PIN_HOST_THREADS)
   _one_of(config, "tuning.remat", programs.REMAT_POLICIES)
   _one_of(config, "faults.nonfinite", stats.POLICIES)
@@ -115,7 +116,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("tuning.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
       ("model.num_classes", 1), ("model.vocab_size", 1), ("model.vocab_multiple", 0), ("model.max_len", 1),
       ("model.hidden_size", 1), ("model.num_layers", 1), ("model.dropout", 0),
-      ("checkpoint.every", 0), ("checkpoint.keep", 1), ("metrics.target_accuracy", 0),
+      ("checkpoint.every", 0), ("checkpoint.keep", 1), ("layup.max_update_scale", 1), ("metrics.target_accuracy", 0),
       ("metrics.target_perplexity", 0), ("metrics.latency_every", 0),
       ("metrics.progress_every_s", 0),
       ("tuning.max_sends_in_flight", 0), ("model.stages_per_group", 1),

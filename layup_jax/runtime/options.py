@@ -9,12 +9,14 @@ import dataclasses
 import ml_collections
 
 BN_POLICIES = ("mix", "local")  # config.layup.bn_policy
+LOCAL_UPDATES = ("params", "numerator")  # config.layup.local_update
 PUSH_SUM = ("per_stage", "per_model")  # config.layup.push_sum
 PIN_HOST_THREADS = ("auto", "on", "off")  # config.tuning.pin_host_threads
 # Each option's key in the config.
 CONFIG_KEYS = {
     "seed": "seed", "bn_policy": "layup.bn_policy", "push_sum": "layup.push_sum",
-    "gossip": "layup.gossip", "nonfinite": "faults.nonfinite",
+    "gossip": "layup.gossip", "local_update": "layup.local_update",
+    "max_update_scale": "layup.max_update_scale", "nonfinite": "faults.nonfinite",
     "latency_every": "metrics.latency_every", "straggler_device": "straggler.device",
     "straggler_delay_iters": "straggler.delay_iters", "straggler_mode": "straggler.mode",
     "transfer_host": "distributed.transfer_host",
@@ -35,6 +37,8 @@ class RuntimeOptions:
   bn_policy: str = "mix"
   push_sum: str = "per_stage"
   gossip: bool = True
+  local_update: str = "params"
+  max_update_scale: float = 4.0
   max_dispatch_ahead: int = 1
   max_sends_in_flight: int = 0
   pack_stages: bool = True

@@ -54,8 +54,14 @@ def keep_finite(new: PyTree, old: PyTree) -> PyTree:
 
 
 def local_update(tx: optax.GradientTransformation, params, opt_state, grads, step: jax.Array,
-                 first_nonfinite: jax.Array | None = None, skip_nonfinite: bool = False):
+                 first_nonfinite: jax.Array | None = None, scale: jax.Array | None = None,
+                 skip_nonfinite: bool = False):
   """One Optax step of one stage: `(new_params, new_opt_state, first_nonfinite)`.
+
+  `scale` multiplies the step's update (None: 1): LayUp's numerator form of the local update
+  (`layup.local_update`) scales it by the device's equal share over its push-sum weight, so that
+  every device's gradient counts alike in the push-sum average (`pushsum.mixing.PushSumWeights
+  .update_scale`).
 
   `step` is the run's global step when the gradient's iteration began; it reaches every
   transformation that takes a `step` extra argument (layup_jax/optim.py's learning-rate
@@ -68,6 +74,8 @@ def local_update(tx: optax.GradientTransformation, params, opt_state, grads, ste
   finite = all_finite(grads)
   updates, new_opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params,
                                                                      step=step)
+  if scale is not None:
+    updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
   new_params = optax.apply_updates(params, updates)
   if skip_nonfinite:
     new_params, new_opt_state = select(finite, (new_params, new_opt_state),
@@ -90,13 +98,14 @@ class StageSteps:
                         (grads, None) so that XLA drops the unused input gradient.
   add_tied[s]:          (grads, tied_grad) -> grads, for the owner stage of a tie.
   read_tied[s]:         (owner's params) -> the tied array, for the consumer stage of a tie.
-  backward_update[s]:   (vjp, (params, x), dy, opt_state, step, first_nonfinite, tied_grad)
+  backward_update[s]:   (vjp, (params, x), dy, opt_state, step, first_nonfinite, scale,
+                        tied_grad)
                         -> (new params, new opt_state, first_nonfinite, dx): the backward and
                         the stage's local update in one program (with `update`; else empty),
                         so the gradient is never a separate array; `tied_grad` is None but
                         for a tie's owner. The Optax state is donated.
   loss_update:          (params, state, x, labels, stage_key, iteration, opt_state, step,
-                        first_nonfinite) -> (loss, new_state, new params, new opt_state,
+                        first_nonfinite, scale) -> (loss, new_state, new params, new opt_state,
                         first_nonfinite, dx): the loss stage's forward, backward and update in
                         one program (with `update`).
   backward_update_mix[s], loss_update_mix (with `update` and `merge_state`): the same
@@ -152,7 +161,8 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   `packings` (one per stage) makes them take and return flat params and gradients, and
   `state_packings` flat state (None for a stage without state); `remat` names what a forward
   keeps for its backward (`REMAT_POLICIES`); `update(params, opt_state, grads, step,
-  first_nonfinite) -> (params, opt_state, first_nonfinite)`, a stage's local step, adds the
+  first_nonfinite, scale) -> (params, opt_state, first_nonfinite)`, a stage's local step
+  (`local_update`; `scale` multiplies its update), adds the
   fused `backward_update` and `loss_update` functions; `merge_state` (per stage: whether its
   BatchNorm state travels with a send) adds the `*_mix` functions; `chain_forwards` adds
   `forward_chain`, an iteration's forwards as one program (one launch instead of one per
@@ -224,19 +234,19 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   def make_backward_update(s, mix):
     tie = next((t for t in model.ties if t.owner == s), None)
 
-    def backward_update(vjp, inputs, dy, opt_state, step, first_nonfinite, tied_grad):
+    def backward_update(vjp, inputs, dy, opt_state, step, first_nonfinite, scale, tied_grad):
       grads, dx = unpack_residuals(vjp, inputs)(dy)
       if tie is not None:
         grads = pack[s](tree_add_at(unpack[s](grads), tie.path, tied_grad))
       params, opt_state, first_nonfinite = update(inputs[0], opt_state, grads, step,
-                                                  first_nonfinite)
+                                                  first_nonfinite, scale)
       return params, opt_state, first_nonfinite, (None if s == 0 else dx)
 
-    def backward_update_mix(vjp, inputs, dy, opt_state, step, first_nonfinite, tied_grad,
+    def backward_update_mix(vjp, inputs, dy, opt_state, step, first_nonfinite, scale, tied_grad,
                             state, received, share):
       params, state = mix_received(inputs[0], state, received, share, merge_state[s])
       return (*backward_update(vjp, (params, inputs[1]), dy, opt_state, step, first_nonfinite,
-                               tied_grad), state)
+                               scale, tied_grad), state)
 
     if mix:
       return jax.jit(backward_update_mix, donate_argnums=(3,))
@@ -251,9 +261,11 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
       fused[key] = make_backward_update(s, mix)
     return fused[key]
 
-  def loss_update(params, state, x, labels, key, iteration, opt_state, step, first_nonfinite):
+  def loss_update(params, state, x, labels, key, iteration, opt_state, step, first_nonfinite,
+                  scale):
     value, new_state, grads, dx = loss(params, state, x, labels, key, iteration)
-    params, opt_state, first_nonfinite = update(params, opt_state, grads, step, first_nonfinite)
+    params, opt_state, first_nonfinite = update(params, opt_state, grads, step, first_nonfinite,
+                                                scale)
     return value, new_state, params, opt_state, first_nonfinite, dx
 
   def loss_update_mix(params, state, received, share, *rest):

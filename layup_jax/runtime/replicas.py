@@ -168,6 +168,9 @@ class ReplicaStore:
     # The finiteness of the updates device i applied in the iteration under way: (stages in
     # the order updated, `local_update`'s first_nonfinite). Only device i's updater touches it.
     self.no_check = [jax.device_put(np.int32(-1), d) for d in devices]
+    self._unit_scale = [jax.device_put(np.float32(1.0), d) for d in devices]
+    self._numerator = options.local_update == "numerator"
+    self._max_update_scale = options.max_update_scale
     self._open_checks = [([], start) for start in self.no_check]
 
   # --- reads (no lock: a reference is always a complete stage) -------------------------------
@@ -222,11 +225,20 @@ class ReplicaStore:
     order, so_far = self._open_checks[i]
     with self._locks[i][s]:
       replica.params[s], replica.opt_state[s], so_far = self.update(
-          replica.params[s], replica.opt_state[s], grads, step, so_far)
+          replica.params[s], replica.opt_state[s], grads, step, so_far, self.update_scale(i, s))
       new_params = replica.params[s]
     order.append(s)
     self._open_checks[i] = (order, so_far)
     return new_params
+
+  def update_scale(self, i: int, s: int, arriving: float = 0.0) -> np.float32 | jax.Array:
+    """The factor of device i's next local update of stage s (the caller holds the stage's
+    lock): 1 for the paper's form, `layup.local_update=params`; in the numerator form its equal
+    share over its weight (`PushSumWeights.update_scale`), with `arriving` the amount a mix in
+    the same program adds to that weight first."""
+    if not self._numerator:
+      return self._unit_scale[i]
+    return np.float32(self.weights.update_scale(i, s, self._max_update_scale, arriving))
 
   def device_stages(self, i: int, step: jax.Array, fused: bool) -> "DeviceStages":
     """`stages.StageOps` of device i for an iteration at the run's `step`: each stage program
@@ -522,7 +534,8 @@ class DeviceStages:
     with store._stage_locks(i, s, params=True, state=store._has_state[s]):
       held = store._take_inbox(i, s)
       order, so_far = store._open_checks[i]
-      args = (x, labels, key, iteration, replica.opt_state[s], self.step, so_far)
+      scale = store.update_scale(i, s, held[2] if held else 0.0)
+      args = (x, labels, key, iteration, replica.opt_state[s], self.step, so_far, scale)
       if held is None:
         out = steps.loss_update(replica.params[s], replica.state[s], *args)
       else:
@@ -542,7 +555,8 @@ class DeviceStages:
     mixing = store._inbox[i][s] is not None  # one arriving now waits for the next program
     with store._stage_locks(i, s, params=True, state=mixing and store._merge_state[s]):
       held = store._take_inbox(i, s) if mixing else None
-      args = (vjp, (replica.params[s], x), dy, replica.opt_state[s], self.step, so_far,
+      scale = store.update_scale(i, s, held[2] if held else 0.0)
+      args = (vjp, (replica.params[s], x), dy, replica.opt_state[s], self.step, so_far, scale,
               tied_grad)
       if held is None:
         replica.params[s], replica.opt_state[s], so_far, dx = steps.backward_update[s](*args)

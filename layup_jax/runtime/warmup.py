@@ -60,7 +60,7 @@ def compile_writes(store: ReplicaStore, i: int, step: jax.Array, grads: Sequence
   for s in range(store.num_stages):
     if grads is not None:
       outputs.append(store.update(replica.params[s], _copy(replica.opt_state[s]), grads[s],
-                                 step, store.no_check[i]))
+                                 step, store.no_check[i], store.update_scale(i, s)))
     part = store.mixed_part(i, s)  # the form `merge` mixes
     outputs.append(store.merge_fn(part, _copy(part), np.float32(0.5)))
   return outputs
@@ -111,7 +111,7 @@ class CompileStages:
       self.outputs += [value, new_state]
       return value, grads, dx
     args = lambda: (x, labels, key, iteration, _copy(self.replica.opt_state[s]), self.step,
-                    self.no_check)
+                    self.no_check, self.store.update_scale(self.i, s))
     value, new_state, new_params, *rest, dx = self.steps.loss_update(params, state, *args())
     self.outputs += [value, new_state, new_params, *rest]
     if self.mixes:
@@ -124,7 +124,7 @@ class CompileStages:
     if not self.fused:
       return backward_grads(self.steps, s, vjp, params, x, dy, tied_grad)
     args = lambda: (vjp, (params, x), dy, _copy(self.replica.opt_state[s]), self.step,
-                    self.no_check, tied_grad)
+                    self.no_check, self.store.update_scale(self.i, s), tied_grad)
     if self.mixes:
       self.outputs.append(self.steps.backward_update_mix[s](*args(), self.replica.state[s],
                                                             *self._received(s)))
