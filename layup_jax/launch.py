@@ -153,10 +153,23 @@ def run(processes: int, devices_per_process: int, train_args: list[str],
         if child.poll() is None:
           child.kill()
 
+  service_lost_at = None
   while [child.poll() for child in children].count(None):  # polls each (any() would stop early)
-    if service is not None and service.poll() is not None and not status:
-      stop_all(f"the coordinator exited with status {_shell_status(service.returncode)}",
-               _shell_status(service.returncode) or 1)
+    if service is not None and service.poll() is not None and service_lost_at is None:
+      # Each training process finds the service gone and says so in one line (its watchdog);
+      # those still running after a minute are stopped.
+      service_lost_at = time.monotonic()
+      status = status or _shell_status(service.returncode) or 1
+      print(f"launch: the coordinator exited with status {_shell_status(service.returncode)}; "
+            f"the training processes stop (rerun the same command to resume from the last "
+            f"checkpoint)", file=sys.stderr, flush=True)
+    if service_lost_at is not None:
+      if time.monotonic() - service_lost_at > 60:
+        for child in children:
+          if child.poll() is None:
+            child.kill()
+      time.sleep(0.1)
+      continue
     failed = [(k, c.returncode) for k, c in enumerate(children)
               if c.returncode not in (None, 0) and (k, c.pid) not in reported]
     for k, code in failed:

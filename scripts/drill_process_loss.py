@@ -34,16 +34,19 @@ recompiles nothing.
 
 ## elastic (was scripts/bench_elastic.py)
 
-Per seed: the run uninterrupted, then the same run with process `--victim` (not 0) SIGKILLed
-once `--kill-at` of the steps are done (read from process 0's progress log,
-`metrics.progress_every_s`); with `--restart-at`, its command is started again once that
+Per seed: the run uninterrupted, then the same run with process `--victim` SIGKILLed once
+`--kill-at` of the steps are done (read from the lowest other process's progress log,
+`metrics.progress_every_s`). The coordination service runs in a process of its own, as the
+launcher runs it, so that any process may be the victim, process 0 included
+(`--no-coordinator`: inside process 0, which then may not be). With `--restart-at`, its
+command is started again once that
 fraction of the steps is done, and it rejoins (docs/guide/elastic.md). Each process is started
 as a cluster's starter would (no launcher: the launcher stops every process when one dies).
 Reported per killed run:
 
 - `samples_per_s_before` / `_after`: the survivors' samples per second per device in the
   `--window` seconds before the kill and after it (their progress logs);
-- `declared_s`: from the kill to process 0's line `process K lost at step S` (the watchdog's
+- `declared_s`: from the kill to the leader's line `process K lost at step S` (the watchdog's
   detection, about `distributed.heartbeat_timeout_s`);
 - `longest_stall_s`: the longest time after the kill in which a survivor did no iteration (what
   waited on the lost process: a consistent point's acknowledgements and gather);
@@ -98,7 +101,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from layup_jax.launch import commands, environment, free_port
+from layup_jax.launch import commands, coordinator_command, environment, free_port
 from layup_jax.measure import provenance
 from layup_jax.run.records import read_metrics
 
@@ -234,8 +237,12 @@ def start(args, workdir: pathlib.Path, seed: int) -> tuple[list[subprocess.Popen
            f"--config.distributed.heartbeat_timeout_s={args.heartbeat_timeout_s}",
            *[f"--config.{o}" for o in args.set]]
   env = environment(args.devices_per_process)
-  every = commands(args.processes, free_port(), train)
-  return [popen(command, env) for command in every], every, env
+  port = free_port()
+  every = commands(args.processes, port, train, external_coordinator=not args.no_coordinator)
+  coordinator = ([] if args.no_coordinator else
+                 [subprocess.Popen(coordinator_command(args.processes, port), cwd=ROOT, env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)])
+  return [popen(command, env) for command in every], every, env, coordinator
 
 
 def popen(command: list[str], env: dict) -> subprocess.Popen:
@@ -255,14 +262,15 @@ def read_lines(process: subprocess.Popen, lines: list) -> threading.Thread:
 
 def one_run(args, seed: int, kill: bool) -> dict:
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench_elastic_"))
-  processes, every, env = start(args, workdir, seed)
+  processes, every, env, coordinator = start(args, workdir, seed)
   outputs = [[] for _ in processes]
   readers = [read_lines(p, out) for p, out in zip(processes, outputs)]
   killed_at = restarted_at = None
+  watched = min(k for k in range(args.processes) if not (kill and k == args.victim))
   try:
     if kill:
       while killed_at is None:
-        rows = progress(workdir, 0)
+        rows = progress(workdir, watched)
         assert not (workdir / "summary.json").exists(), "the run ended before the kill"
         if (rows and rows[-1]["step"] >= args.kill_at * args.num_steps
             and (not args.kill_during_save or saving(workdir))):
@@ -272,8 +280,8 @@ def one_run(args, seed: int, kill: bool) -> dict:
         time.sleep(0.05)
     restart = kill and args.restart_at is not None
     while restart and restarted_at is None:
-      rows = progress(workdir, 0)
-      assert processes[0].poll() is None, "the run ended before the restart"
+      rows = progress(workdir, watched)
+      assert processes[watched].poll() is None, "the run ended before the restart"
       if rows and rows[-1]["step"] >= args.restart_at * args.num_steps:
         restarted_at = rows[-1]["step"]
         outputs.append([])
@@ -290,15 +298,16 @@ def one_run(args, seed: int, kill: bool) -> dict:
           raise
   finally:
     ended, still_running = time.time(), [p.poll() is None for p in processes]
-    for p in processes:
+    for p in [*processes, *coordinator]:
       p.kill()
       p.wait()
     for reader in readers:
       reader.join(timeout=5)
   statuses = [p.returncode for p in processes]
   survivors = [k for k in range(args.processes) if not (kill and k == args.victim)]
+  said = [item for k in survivors for item in outputs[k]]  # the leader's lines among them
   if args.kill_during_save:  # whatever happened is the drill's result
-    lost = [line for _, line in outputs[0] if "lost at step" in line]
+    lost = [line for _, line in said if "lost at step" in line]
     last = {k: (progress(workdir, k) or [{}])[-1] for k in survivors}
     return {"seed": seed, "killed_during_save": True, "statuses": statuses,
             # a survivor still running `--timeout` s after the kill (then killed here)
@@ -313,7 +322,7 @@ def one_run(args, seed: int, kill: bool) -> dict:
             "last_lines": {k: [line for _, line in outputs[k][-12:]] for k in survivors}}
   if any(statuses[k] != 0 for k in [*survivors, *range(args.processes, len(processes))]):
     sys.exit(f"seed {seed} ({'killed' if kill else 'whole'}) failed: {statuses}\n"
-             + "\n".join(line for _, line in outputs[0][-40:]))
+             + "\n".join(line for _, line in outputs[watched][-40:]))
   summary = json.loads((workdir / "summary.json").read_text())
   row = {"seed": seed, "killed": kill, "final_accuracy": summary["final_eval_accuracy"],
          "training_s": summary["wall_time_s"], "samples_per_s": summary["train_samples_per_s"],
@@ -321,7 +330,7 @@ def one_run(args, seed: int, kill: bool) -> dict:
          "weight_sum_min": summary.get("weight_sum_min"),
          "weight_sum_max": summary.get("weight_sum_max")}
   if kill:
-    row.update(around_the_kill(workdir, survivors, killed_at, outputs[0], args))
+    row.update(around_the_kill(workdir, survivors, killed_at, sorted(said), args))
   if restarted_at is not None:
     rejoined = [line for _, line in outputs[-1] if "rejoined the run at step" in line]
     final = [r for r in read_metrics(workdir) if r["split"] == "test"][-1]
@@ -396,10 +405,13 @@ def main_elastic(argv: list[str]) -> None:
   parser.add_argument("--kill-during-save", type=int, default=0, metavar="EVERY",
                       help="checkpoint every EVERY steps and kill the victim during a save")
   parser.add_argument("--timeout", type=float, default=3600)
+  parser.add_argument("--no-coordinator", action="store_true",
+                      help="the coordination service inside process 0 (then not a victim)")
   parser.add_argument("--out", default="bench_elastic.json")
   args = parser.parse_args(argv)
-  if not 0 < args.victim < args.processes:
-    parser.error("--victim must be a process other than 0 (process 0's loss is not survived)")
+  if not (0 if not args.no_coordinator else 1) <= args.victim < args.processes:
+    parser.error("--victim must be a process of the run, other than 0 with --no-coordinator "
+                 "(the service inside process 0: its loss is not survived)")
   rows = []
   for seed in args.seeds:
     for kill in (True,) if args.no_uninterrupted else (False, True):

@@ -115,8 +115,20 @@ class Checkpoints:
     # that may still be writing there cleaned up.
     multiprocessing = ocp.options.MultiprocessingOptions()
     if self.processes is not None:  # every member opens it at the same step: the same prefix
+      # Process 0 may be among the lost: the lowest member writes what one process writes.
+      # Orbax's array handler keeps a primary host of its own (0 by default), which alone
+      # creates each array's metadata: left to a lost process 0, the others' writes of their
+      # rows waited for ever (found with the coordinator apart, process 0 killed).
+      verbosity = logging.get_verbosity()
+      logging.set_verbosity(logging.ERROR)  # (Orbax warns of every override)
+      try:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(primary_host=min(self.processes)),
+            override=True)
+      finally:
+        logging.set_verbosity(verbosity)
       multiprocessing = ocp.options.MultiprocessingOptions(
-          primary_host=min(self.processes),  # process 0 may be among the lost
+          primary_host=min(self.processes),
           active_processes=set(self.processes),
           barrier_sync_key_prefix=f"live-{'-'.join(map(str, self.processes))}-"
                                   f"{self._since_step}")
@@ -126,7 +138,17 @@ class Checkpoints:
         create=not self._read_only and self.processes is None,
         cleanup_tmp_directories=not self._read_only,
         read_only=self._read_only, multiprocessing_options=multiprocessing)
-    return ocp.CheckpointManager(self.directory, options=options)
+    handlers = None
+    if self.processes is not None:  # Orbax's item handlers keep a primary host of their own
+      handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+      arrays = ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing)
+      meta = ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)
+      for item, handler, kinds in (("arrays", arrays, (ocp.args.StandardSave,
+                                                       ocp.args.StandardRestore)),
+                                   ("meta", meta, (ocp.args.JsonSave, ocp.args.JsonRestore))):
+        for kind in kinds:
+          handlers.add(item, kind, handler)
+    return ocp.CheckpointManager(self.directory, options=options, handler_registry=handlers)
 
   def limit_to(self, processes, step: int, patience_s: float) -> list[int]:
     """Saves from `step` on among `processes` only (an elastic run that lost a process), with

@@ -66,6 +66,12 @@ class Elastic:
     if len(parts) < jax.process_count():
       self.processes_lost = True
       self.rt.store.weights.rescale([1.0 / sum(column) for column in zip(*parts)])
+    self._count_live_devices()
+
+  def _count_live_devices(self) -> None:
+    """A device's equal share of the push-sum weights is one over the live devices'."""
+    live = set(range(jax.process_count())) - set(membership.members.lost)
+    self.rt.store.weights.equal_share = 1.0 / len(self.devices_of(live))
 
   def _admit(self, step: int) -> None:
     """Admits a lost process that was started again and asked to rejoin. The leader decides
@@ -86,6 +92,7 @@ class Elastic:
     if primary:
       members.admit(process, step)
     members.rejoined(process)
+    self._count_live_devices()
     lost = set(members.lost)
     givers = self.devices_of(set(range(jax.process_count())) - lost - {process})
     for n, device in enumerate(self.devices_of({process})):
@@ -112,6 +119,7 @@ class Elastic:
       rt.store.weights.values[i] = [0.0] * rt.num_stages
       replica.iteration = self.joined_at[i] = step
     rt.restored(step * rt.num_devices)
+    self._count_live_devices()
     self.processes_lost = True
     self.saves_checkpoints = False
     rt.start_threads()  # the receiver loops merge the shares (nothing else is granted yet)

@@ -94,6 +94,10 @@ def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> 
       # message of ours), and on a loaded host its heartbeat thread can miss a few seconds.
       heartbeat_timeout_seconds=max(3 * chosen.heartbeat_timeout_s, 60),
   )
+  client = compat.coordination_client()
+  if chosen.external_coordinator and compat.distributed_process_id() == 0 and membership.try_get(
+      client, "layup_jax/alive/0") is not None:  # process 0 started again into its run
+    compat.forget_global_topology(client)
   return True
 
 

@@ -96,11 +96,12 @@ class Watchdog:
         beat += 1
         self._client.key_value_set(self._key("alive", self._me), str(beat), allow_overwrite=True)
         if self._elastic:
-          membership.members.refresh(self._client)
-          if membership.members.rejoining and run_finished():
+          members = membership.members
+          members.refresh(self._client)
+          if members.rejoining and run_finished():
             self._leave_unadmitted()
-          if membership.members.is_lost(self._me) and not membership.members.rejoining:  # silent too long: fenced off
-            self._die(f"process 0 declared this process lost at step {membership.members.lost[self._me]} "
+          if members.is_lost(self._me) and not members.rejoining:  # silent too long: fenced off
+            self._die(f"the run declared this process lost at step {members.lost[self._me]} "
                       f"(silent for more than {self._timeout_s:g} s)",
                       "The others train on without it")
         for k in range(self._count):

@@ -59,6 +59,12 @@ def coordination_client():
   return _distributed_state().client
 
 
+def distributed_process_id() -> int:
+  """This process's id in its distributed run, known before any backend starts (asking
+  `jax.process_index()` would start one)."""
+  return _distributed_state().process_id
+
+
 def coordinator_address() -> str | None:
   """`host:port` of the coordinator this process joined, None outside a multi-process run."""
   return _distributed_state().coordinator_address
@@ -109,7 +115,10 @@ class _WithoutService:
 
 def initialize_without_service(**kwargs) -> None:
   """`jax.distributed.initialize(**kwargs)` as a client only, also in process 0: the service
-  runs elsewhere (`start_coordination_service`, another process)."""
+  runs elsewhere (`start_coordination_service`, another process). When the client finds the
+  service gone, jax ends the process at once in its own words ("Terminating process because
+  the JAX distributed service detected fatal errors"): a callback of ours cannot take its
+  place (jaxlib 0.10 and 0.12 fail to pass it the status: `std::bad_cast`)."""
   if not EXTERNAL_COORDINATOR:
     raise RuntimeError(f"jax {jax.__version__} gives no way to join a coordination service "
                        f"of its own process (layup_jax/platform/compat.py); run without "
@@ -122,6 +131,15 @@ def initialize_without_service(**kwargs) -> None:
     jax.distributed.initialize(**kwargs)
   finally:
     jax_distributed._jax = real
+
+
+def forget_global_topology(client) -> None:
+  """Deletes the devices' global topology process 0 published when the run's backends started
+  (xla's `ExchangeTopologies` keys it `<platform>:global_topology/<platform>`), so that a
+  process 0 started again builds it afresh: it sets the key without overwrite, and found it
+  there (`ALREADY_EXISTS`). The other processes read it only when their backend starts."""
+  for platform in ("cpu", "cuda", "rocm", "tpu"):
+    client.key_value_delete(f"{platform}:global_topology")
 
 
 def start_transfer_server(client, address: str, transport_addresses: list[str]):

@@ -276,9 +276,9 @@ class Session:
 
   def _take_the_lead(self, step: int) -> None:
     """This process leads from now on (the leader before it was lost): it writes the records
-    from here, keeping those written up to `step`, and evaluates on its own first device."""
+    from here, keeping those written before `step`, and evaluates on its own first device."""
     self.writer.close()
-    self.writer = MetricsWriter(self.workdir, keep_through_step=step,
+    self.writer = MetricsWriter(self.workdir, keep_through_step=step - 1,
                                 tensorboard=self.config.metrics.get("tensorboard", False))
     print(f"process {jax.process_index()} leads the run from step {step}: it evaluates and "
           f"writes the records", file=sys.stderr, flush=True)
