@@ -24,7 +24,7 @@ import statistics
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-NAMES = {"layup": "LayUp", "ddp": "DDP", "gosgd": "GoSGD", "adpsgd": "AD-PSGD",
+NAMES = {"layup": "LayUp", "layup_paper": "LayUp (paper's Algorithm 1)", "ddp": "DDP", "gosgd": "GoSGD", "adpsgd": "AD-PSGD",
          "local_sgd": "Local SGD", "slowmo": "SlowMo", "co2": "CO2", "diloco": "DiLoCo"}
 ORDER = list(NAMES)
 GOSSIP = ("layup", "gosgd", "adpsgd")
@@ -50,6 +50,119 @@ def collect(workdir: pathlib.Path) -> dict:
   if not runs:
     sys.exit(f"error: {workdir} has no finished run (summary.json); run scripts/sweep.py first")
   return {"meta": meta, "runs": runs}
+
+
+# --- samples to accuracy -------------------------------------------------------------------------
+
+BUDGET_TARGETS = (0.89, 0.90)
+
+
+def collect_budgets(workdirs: list[pathlib.Path]) -> dict:
+  """The runs of one sweep per training budget (`--set num_epochs=B`): per run its method,
+  variant, seed, samples seen and final accuracy."""
+  runs, commands = [], []
+  for workdir in workdirs:
+    sweep = collect(workdir)
+    commands += sweep["meta"]["commands"]
+    for run in sweep["runs"]:
+      summary = run["summary"]
+      runs.append({"algorithm": run["algorithm"], "variant": run["variant"], "seed": run["seed"],
+                   "delay": run["delay"], "num_steps": summary["num_steps"],
+                   "num_devices": summary["num_devices"],
+                   "final_accuracy": summary["final_eval_accuracy"],
+                   "code_version": summary.get("code_version")})
+  meta = collect(workdirs[0])["meta"]
+  return {"meta": {**meta, "commands": commands}, "runs": runs}
+
+
+def samples_to(points: list[tuple[float, float]], target: float) -> str:
+  """The samples at which a method's mean final accuracy over budgets reaches `target`,
+  interpolated linearly between the budgets around the first crossing; at or below the
+  smallest budget, or beyond the largest, said so."""
+  points = sorted(points)
+  if points[0][1] >= target:
+    return f"<= {points[0][0] / 1e3:.0f} k"
+  for (s0, a0), (s1, a1) in zip(points, points[1:]):
+    if a1 >= target:
+      return f"{(s0 + (target - a0) / (a1 - a0) * (s1 - s0)) / 1e3:.0f} k"
+  return f"> {points[-1][0] / 1e3:.0f} k"
+
+
+def budget_tables(name: str, budgets: dict, batch_size: int, figure: str | None) -> list[str]:
+  runs = [r for r in budgets["runs"] if r["delay"] == 0]
+  meta = budgets["meta"]
+  methods = sorted({(r["algorithm"], r["variant"]) for r in runs},
+                   key=lambda m: (ORDER.index(m[0]) if m[0] in ORDER else len(ORDER), m[1]))
+  steps = sorted({r["num_steps"] for r in runs})
+  samples = {n: n * batch_size * runs[0]["num_devices"] for n in steps}
+  versions = sorted({r["code_version"] for r in runs if r["code_version"]}
+                    | set(meta.get("code_versions", {}).values()) - {None})
+  lines = [f"## {name}", "",
+           (f"`{meta['config']}`, final test accuracy after a whole schedule at each budget "
+            f"(warm-up and cosine decay scaled with it); measured on {meta.get('date', '?')}, "
+            f"{meta.get('machine', '?')}; code versions {', '.join(versions)}. Made by:"), ""]
+  lines += [f"    {command}" for command in meta["commands"]]
+  lines += ["", ("Values are mean ± standard deviation over seeds; samples seen = steps x "
+                 f"{runs[0]['num_devices']} devices x {batch_size}. Samples to a target: where "
+                 "the mean final accuracy over budgets crosses it, interpolated linearly between "
+                 "the budgets around the first crossing."), ""]
+  header = ("| method | " + " | ".join(f"{n} steps ({samples[n] / 1e3:.0f} k samples)"
+                                        for n in steps)
+            + " | " + " | ".join(f"samples to {t}" for t in BUDGET_TARGETS) + " |")
+  lines += [header, "|" + "---|" * (1 + len(steps) + len(BUDGET_TARGETS))]
+  for algorithm, variant in methods:
+    cells, points = [], []
+    for n in steps:
+      values = [r["final_accuracy"] for r in runs
+                if (r["algorithm"], r["variant"], r["num_steps"]) == (algorithm, variant, n)]
+      cells.append(f"{mean_std(values)} ({len(values)})" if values else "-")
+      if values:
+        points.append((samples[n], statistics.mean(values)))
+    label = NAMES.get(algorithm, algorithm) + (f" `{variant}`" if variant else "")
+    shown = [o for o in meta.get("variants", {}).get(variant, [])
+             if not o.startswith(("num_epochs", "eval_every", "progress_bar"))]
+    if shown:
+      label += " (" + ", ".join(f"`{o}`" for o in shown) + ")"
+    targets = [samples_to(points, t) if len(points) == len(steps) else "-"
+               for t in BUDGET_TARGETS]
+    lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(targets) + " |")
+  if figure:
+    lines += ["", f"![final accuracy against samples seen]({figure})"]
+  return lines
+
+
+def draw_budget_figure(name: str, budgets: dict, batch_size: int, out_dir: pathlib.Path,
+                       link_dir: str) -> str:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  runs = [r for r in budgets["runs"] if r["delay"] == 0]
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for algorithm, variant in sorted({(r["algorithm"], r["variant"]) for r in runs}):
+    steps = sorted({r["num_steps"] for r in runs if (r["algorithm"], r["variant"]) == (
+        algorithm, variant)})
+    xs, ys, es = [], [], []
+    for n in steps:
+      values = [r["final_accuracy"] for r in runs
+                if (r["algorithm"], r["variant"], r["num_steps"]) == (algorithm, variant, n)]
+      xs.append(n * batch_size * runs[0]["num_devices"] / 1e3)
+      ys.append(statistics.mean(values))
+      es.append(statistics.stdev(values) if len(values) > 1 else 0.0)
+    label = NAMES.get(algorithm, algorithm) + (f" {variant}" if variant else "")
+    ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
+  for target in BUDGET_TARGETS:
+    ax.axhline(target, color="grey", linewidth=0.5, linestyle="--")
+  ax.set_xlabel("samples seen (thousands)")
+  ax.set_ylabel("final test accuracy")
+  ax.set_title(name)
+  ax.legend(fontsize=7)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  path = out_dir / f"{name}_samples_to_accuracy.png"
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return f"{link_dir}/{path.name}"
 
 
 # --- numbers --------------------------------------------------------------------------------
@@ -735,15 +848,21 @@ PAGE_ORDER = ("fashion_mnist", "fashion_mnist_stragglers", "fashion_mnist_ablati
               "fashion_mnist_search", "digits")
 
 
-def render(sweeps: dict[str, dict], results: pathlib.Path, out: pathlib.Path) -> str:
+def render(sweeps: dict[str, dict], results: pathlib.Path, out: pathlib.Path,
+           budgets: dict[str, dict] | None = None) -> str:
+  budgets = budgets or {}
   hosts = several_hosts_tables(results)
   lines = ["# Results", "",
            ("Regenerated by `python scripts/report.py` from `docs/results/` (do not edit by "
             "hand); `bash scripts/reproduce_results.sh` reruns every sweep and benchmark first."),
-           "", "Sections: " + ", ".join(f"[{name}](#{name})" for name in sweeps)
+           "", "Sections: " + ", ".join(f"[{name}](#{name})" for name in [*budgets, *sweeps])
            + (", [Several hosts](#several-hosts)" if hosts else "") + ", [Benchmarks](#benchmarks)."]
   link_dir = str((results / "figures").relative_to(out.parent)) if results.is_relative_to(
       out.parent) else str(results / "figures")
+  for name, budget in budgets.items():
+    batch_size = budget["meta"].get("batch_size", 32)
+    figure = draw_budget_figure(name, budget, batch_size, results / "figures", link_dir)
+    lines += [""] + budget_tables(name, budget, batch_size, figure)
   for name, sweep in sweeps.items():
     for run in sweep["runs"]:  # sweeps collected before variants and device-side stragglers
       run.setdefault("variant", "")
@@ -759,6 +878,11 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--sweep", action="append", default=[], metavar="NAME=WORKDIR",
                       help="collect a sweep workdir under NAME (repeatable)")
+  parser.add_argument("--budgets", action="append", default=[],
+                      metavar="NAME=WORKDIR,WORKDIR,...",
+                      help="collect one sweep per training budget under NAME (repeatable)")
+  parser.add_argument("--batch-size", type=int, default=32,
+                      help="with --budgets: samples per device per step (the config's)")
   parser.add_argument("--results", default=str(ROOT / "docs" / "results"))
   parser.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
   args = parser.parse_args()
@@ -769,10 +893,19 @@ def main() -> None:
     if not sep:
       sys.exit(f"error: --sweep takes NAME=WORKDIR, got {item!r}")
     (results / f"sweep_{name}.json").write_text(json.dumps(collect(pathlib.Path(workdir))))
+  for item in args.budgets:
+    name, sep, workdirs = item.partition("=")
+    if not sep:
+      sys.exit(f"error: --budgets takes NAME=WORKDIR,WORKDIR,..., got {item!r}")
+    collected = collect_budgets([pathlib.Path(w) for w in workdirs.split(",")])
+    collected["meta"]["batch_size"] = args.batch_size
+    (results / f"budgets_{name}.json").write_text(json.dumps(collected, indent=1))
+  budgets = {path.stem.removeprefix("budgets_"): json.loads(path.read_text())
+             for path in sorted(results.glob("budgets_*.json"))}
   names = sorted(path.stem.removeprefix("sweep_") for path in results.glob("sweep_*.json"))
   names.sort(key=lambda n: PAGE_ORDER.index(n) if n in PAGE_ORDER else len(PAGE_ORDER))
   sweeps = {name: json.loads((results / f"sweep_{name}.json").read_text()) for name in names}
-  out.write_text(render(sweeps, results, out))
+  out.write_text(render(sweeps, results, out, budgets))
   print(f"wrote {out} ({len(sweeps)} sweeps, figures in {results / 'figures'})")
 
 

@@ -259,6 +259,7 @@ def main() -> None:
   record = workdir / "sweep.json"
   saved = json.loads(record.read_text()) if record.exists() else {"commands": []}
   command = "python scripts/sweep.py " + " ".join(sys.argv[1:])
+  saved.setdefault("code_versions", {})[command] = provenance.code_version()
   saved.update({
       "config": args.config, "mock_tfds": args.mock_tfds or saved.get("mock_tfds", 0),
       "commands": [*[c for c in saved["commands"] if c != command], command],

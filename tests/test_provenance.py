@@ -1,9 +1,13 @@
 """A run names the code it came from: the commit, and whether Python files differed from it."""
 
+import pathlib
 import subprocess
 
 from layup_jax.measure import provenance
 from layup_jax.run import runner
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _git(where, *args):
@@ -58,3 +62,9 @@ def test_a_run_is_labelled_with_the_code_it_started_with(tiny_config, tmp_path, 
   summary = runner.run(tiny_config, tmp_path, should_stop=commit_meanwhile)
   assert version["now"] == "later"
   assert summary["code_version"] == "start"
+
+
+def test_the_runs_code_version_is_this_checkouts_commit():
+  """Without arguments, the checkout the package runs from (its tests run from one)."""
+  top = _git(ROOT, "rev-parse", "--short", "HEAD")
+  assert provenance.code_version() in (top, f"{top}-dirty")

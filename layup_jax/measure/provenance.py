@@ -13,7 +13,7 @@ import subprocess
 
 import jax
 
-_ROOT = pathlib.Path(__file__).resolve().parent.parent
+_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout: layup_jax/measure/ -> /
 
 
 def code_version(root: pathlib.Path = _ROOT) -> str | None:
