@@ -28,6 +28,10 @@
 #               `chained` beside the runtime and the fused step (ResNet-18 b128, GPT-2 124M)
 #   DEFAULTS=0  leaves out bench_step and bench_host above (the device tool brings back 8 files:
 #               CMDBUF=1 alone writes 7)
+#   attention   with ATTENTION=1: cuDNN's flash attention against XLA's on GPT-2 124M (the
+#               logits of both to bf16 tolerance, then the fused and staged steps with each,
+#               `gpt2-124m-bf16` (auto: cuDNN) beside `gpt2-124m-bf16-xla`), and the batch that
+#               fills the GPU with the vocabulary padded to 50,304 (`gpt2-124m-bf16-b32`)
 #   dispatch    with DISPATCH=1: each program's dispatch cost inside a run against alone
 #               (`bench_host.py dispatch`), on the same fake devices (is the 2-core machine's
 #               1.5-3.8x the CPU client's?)
@@ -204,6 +208,30 @@ fi
 if [[ "${REMAT:-0}" == 1 ]]; then
   run step_remat 180 python3 scripts/bench_step.py --cases resnet18-cifar-b128 gpt2-124m-bf16 \
     --sides runtime noremat fused --repeats 5 --out "$out/bench_step_remat.json"
+fi
+if [[ "${ATTENTION:-0}" == 1 ]]; then
+  run attention_check 90 python3 -c "
+import jax, numpy as np
+from configs import base
+from layup_jax import models
+config = base.get_config().model
+config.update({'name': 'gpt2', 'size': 'gpt2', 'dtype': 'bfloat16', 'max_len': 1024})
+tokens = np.random.default_rng(0).integers(0, config.vocab_size, (4, 1024)).astype(np.int32)
+out = {}
+for attention in ('xla', 'cudnn'):
+  config.attention = attention
+  model = models.make_model(config)
+  params, state = model.init(jax.random.key(0), tokens)
+  out[attention] = np.asarray(model.apply(params, state, tokens, jax.random.key(0), 0,
+                                          train=False)[0], np.float32)
+diff = np.abs(out['cudnn'] - out['xla'])
+print('cudnn vs xla logits: max abs diff', diff.max(), 'mean', diff.mean(),
+      'max abs logit', np.abs(out['xla']).max())
+assert np.allclose(out['cudnn'], out['xla'], atol=2e-2, rtol=2e-2), 'beyond bf16 tolerance'
+"
+  run step_attention 300 python3 scripts/bench_step.py \
+    --cases gpt2-124m-bf16-xla gpt2-124m-bf16 gpt2-124m-bf16-b32 --sides runtime fused \
+    --repeats 5 --out "$out/bench_step_attention.json"
 fi
 if [[ "${DISPATCH:-0}" == 1 ]]; then
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \

@@ -76,6 +76,17 @@ CASES = {  # "iters": iterations per timed block (short: the sides alternate oft
     "gpt2-124m-bf16": {"model.name": "gpt2", "model.size": "gpt2", "model.dtype": "bfloat16",
                        "model.max_len": 1024, "data.batch_size": 8, "seq_len": 1024,
                        "optimizer.name": "adamw", "iters": 20},
+    # The same with XLA's attention (the case above takes cuDNN's flash attention on a GPU).
+    "gpt2-124m-bf16-xla": {"model.name": "gpt2", "model.size": "gpt2", "model.dtype": "bfloat16",
+                           "model.attention": "xla", "model.max_len": 1024,
+                           "data.batch_size": 8, "seq_len": 1024, "optimizer.name": "adamw",
+                           "iters": 20},
+    # A batch that fills an 80-141 GB GPU, the vocabulary padded to 50,304 (public
+    # single-GPU figures for this model use 32-64 x 1024 and that padding).
+    "gpt2-124m-bf16-b32": {"model.name": "gpt2", "model.size": "gpt2", "model.dtype": "bfloat16",
+                           "model.vocab_multiple": 64, "model.max_len": 1024,
+                           "data.batch_size": 32, "seq_len": 1024, "optimizer.name": "adamw",
+                           "iters": 5},
 }
 
 
@@ -111,7 +122,9 @@ def transformer_flops(config, params, batch: int, seq_len: int) -> float | None:
   if config.model.name != "gpt2":
     return None
   leaves = jax.tree.leaves(params)
-  n = sum(leaf.size for leaf in leaves) - params[0]["wpe"]["embedding"].size
+  wte = params[0]["wte"]["embedding"]
+  padding = (wte.shape[0] - config.model.vocab_size) * wte.shape[1]  # the vocabulary's padding
+  n = sum(leaf.size for leaf in leaves) - params[0]["wpe"]["embedding"].size - padding
   spec = models.gpt2.SIZES[config.model.size]
   return batch * seq_len * (6 * n + 12 * spec.num_layers * spec.embed_dim * seq_len)
 
