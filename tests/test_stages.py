@@ -174,13 +174,13 @@ def test_a_fused_backward_and_update_equals_the_backward_then_the_update():
       s = model.num_stages - 1
       value, self.states[s], new, opt, _, dx = steps.loss_update(
           params[s], self.states[s], x, labels, key, iteration, tx.init(params[s]), step,
-          np.int32(-1))
+          np.int32(-1), np.float32(1.0))
       self.updated[s] = (new, opt)
       return value, new, dx
 
     def backward(self, s, vjp, x, dy, tied_grad):
       new, opt, _, dx = steps.backward_update[s](vjp, (params[s], x), dy, tx.init(params[s]),
-                                                step, np.int32(-1), tied_grad)
+                                                step, np.int32(-1), np.float32(1.0), tied_grad)
       self.updated[s] = (new, opt)
       return new, dx
 
