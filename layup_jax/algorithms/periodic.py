@@ -57,6 +57,11 @@ an updater never waits at a boundary (it contributes, and the reset happens when
 ready: by the last device to arrive, or by the compute task before its next iteration). So
 whenever every started iteration has finished the runtime is at a consistent point, and a
 checkpoint holds the contributions of periods not yet averaged.
+
+Why one module of this size: the exchange's hooks, the period's shared state and that state's
+checkpoint form of one protocol (which boundary each device has reached, what each contributed,
+which results it has taken); the outer optimizers, which are independent of it, live in
+`outer.py`.
 """
 
 import collections

@@ -4,6 +4,10 @@ records), the training loop with its hooks, and the hooks' actions (evaluate, sa
 `Session.train` is the loop: it asks the runtime to train until the next step a hook is due at
 (`Runtime.run_until`), then runs the hooks there; the runtime returns at a consistent point.
 Process 0 evaluates and writes the records.
+
+Why one module of this size: a run's life in order (build, resume, compile, train with its
+hooks, evaluate, save, stop or finish, summarise) over one set of objects; the pieces that stand
+alone are elsewhere (resume, validation, evaluation, records).
 """
 
 import contextlib

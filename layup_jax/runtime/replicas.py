@@ -31,6 +31,10 @@ hold the stage's push-sum mass, so every sum stays exact; a stage's own send tak
 without its inbox (which then arrived, as far as the push-sum is concerned, just after). At
 most one received stage waits per stage: an earlier one is merged by a program when a second
 arrives, and at a consistent point (`settle`) every one is.
+
+Why one module of this size: every write of a replica takes the same locks in the same order
+(params before state, devices in index order), and `DeviceStages` is the store's writes as the
+staged pass dispatches them; kept apart, the locking discipline would be read in two places.
 """
 
 import collections

@@ -24,6 +24,9 @@ device's clock).
 or a receiver's from another process) until the run stops; the first exception of any loop
 stops them all and is kept for the caller to raise. `Budget` counts the iterations the compute
 tasks may start and those finished: when every granted one is, the run is at a consistent point.
+
+Why one module of this size: the tasks, the two threads that step them, the turn they take and
+the budget that lets tasks start iterations are one mechanism; each reads the others' state.
 """
 
 import dataclasses

@@ -37,6 +37,9 @@ right after the stage, the mass it held back returned at each consistent point (
 AD-PSGD's pairwise averages travel as they are. The outboxes and the algorithms call this
 interface only; the runtime runs its receiver loops (`loops`) and, at a consistent point, waits
 until every send to another process has been merged there (`quiesce`).
+
+Why one module of this size: a send's whole path, from the choice of the peer through the
+outbox to the transport that copies and merges it, reads and bounds one queue of posted sends.
 """
 
 import collections
