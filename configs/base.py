@@ -122,6 +122,9 @@ def get_config() -> ml_collections.ConfigDict:
   # the parameters) or "local" (each device's own).
   config.layup.bn_policy = "mix"
   config.layup.gossip = True  # False: local steps only, no peer (an ablation that times gossip)
+  # Distinct random peers each stage goes to per iteration (1: the paper's one peer); each send
+  # takes half of what the stage holds then. Per-stage push-sum only.
+  config.layup.fanout = 1
   # Push-sum weights: "per_stage", one weight per device and stage, each stage an exact push-sum
   # instance; "per_model", one per device, as the paper's Algorithm 1 writes it.
   config.layup.push_sum = "per_stage"

@@ -6,7 +6,6 @@ import subprocess
 from layup_jax.measure import provenance
 from layup_jax.run import runner
 
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -149,6 +149,28 @@ def test_threaded_gossip_keeps_the_push_sum_average_of_every_stage(algorithm):
   assert float(consensus.consensus_distance(_host_params(runtime), center)) < 1e-3 * spread
 
 
+def test_with_two_peers_a_stage_keeps_a_quarter_and_its_average_under_threads():
+  # layup.fanout=2 (beyond the paper): each stage goes to two distinct peers per iteration, the
+  # first taking half of what the stage holds and the second half of the rest.
+  runtime = make_layup_runtime(4, fanout=2)
+  w = 0.25  # each device's share of each stage's weight at the start
+  runtime.iterate_serial(0, 1)
+  weights = np.asarray(runtime.store.weights.values)  # (devices, stages)
+  assert weights[0] == pytest.approx([w / 4] * 3) and weights[1] == pytest.approx([1.5 * w] * 3)
+  other = [k for k in (2, 3) if weights[k][0] != w]
+  assert len(other) == 1 and weights[other[0]] == pytest.approx([1.25 * w] * 3)
+  runtime.close()
+
+  runtime = make_layup_runtime(8, learning_rate=0.0, fanout=2)
+  _perturb_replicas(runtime)
+  start = _average(runtime)
+  runtime.compile()
+  runtime.run_until(8 * 200, lambda _: None)
+  runtime.close()
+  assert runtime.stats.weight_sums() == pytest.approx([1.0] * 3, abs=1e-12)
+  assert _relative_distance(_average(runtime), start) < 1e-5
+
+
 class _Lineage:
   """Counts writes of a stage that replace a version other than the one they were computed
   from: a write computed from version v, stored after another thread stored v', loses v'.

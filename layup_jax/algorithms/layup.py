@@ -18,6 +18,10 @@ device, w_j grown only after the last layer. Layers are sent one at a time, so a
 mixing a layer into j in between reads a w_j that does not match that layer, and the average
 drifts (measured in docs/results.md); the paper accepts such contention as lock-free noise,
 per_stage removes it at no cost (a float per stage).
+
+Beyond the paper, `layup.fanout` sends each stage to that many distinct random peers per
+iteration (per-stage weights; each send halves what the stage holds then): more mixing per
+iteration, at that many times the messages.
 """
 
 import dataclasses
@@ -31,6 +35,7 @@ from layup_jax.runtime.exchange import Hooks
 class Iteration:
   peer: int | None  # j, or None without gossip
   model_weight: list[float] | None  # per-model push-sum: the halved w_i, per stage
+  more_peers: tuple[int, ...] = ()  # `layup.fanout` > 1: the iteration's other peers
 
 
 class LayUp(Hooks):
@@ -57,7 +62,14 @@ class LayUp(Hooks):
   def begin(self, i: int) -> Iteration:
     j = self.peers.pick(i)
     per_model = j is not None and self.links.options.push_sum == "per_model"
-    return Iteration(j, self.store.halve_model_weight(i) if per_model else None)
+    more: list[int] = []
+    for _ in range(4 * (self.links.options.fanout - 1)):  # beyond the paper: more peers
+      if j is None or len(more) == self.links.options.fanout - 1:
+        break
+      k = self.peers.pick(i)
+      if k not in (None, j, *more):
+        more.append(k)
+    return Iteration(j, self.store.halve_model_weight(i) if per_model else None, tuple(more))
 
   def on_stage(self, i: int, it: Iteration, s: int, grads, step: jax.Array):
     x = self.store.local_step(i, s, grads, step)  # Local update
@@ -65,7 +77,10 @@ class LayUp(Hooks):
       return x
     outbox = self.links.outboxes[i]
     if it.model_weight is None:  # per stage: w_{i,s} halved as x^{i,s} leaves, w_{j,s} += it
-      return outbox.send_halved(it.peer, s)  # Communication; the peer update on j's device
+      landed = outbox.send_halved(it.peer, s)  # Communication; the peer update on j's device
+      for k in it.more_peers:  # each takes half of what the stage holds then
+        outbox.send_halved(k, s)
+      return landed
     return outbox.send_weighted(it.peer, s, it.model_weight[s])  # per model: w_i halved at begin
 
   def end(self, i: int, it: Iteration):

@@ -15,7 +15,7 @@ PIN_HOST_THREADS = ("auto", "on", "off")  # config.tuning.pin_host_threads
 # Each option's key in the config.
 CONFIG_KEYS = {
     "seed": "seed", "bn_policy": "layup.bn_policy", "push_sum": "layup.push_sum",
-    "gossip": "layup.gossip", "local_update": "layup.local_update",
+    "gossip": "layup.gossip", "fanout": "layup.fanout", "local_update": "layup.local_update",
     "max_update_scale": "layup.max_update_scale", "nonfinite": "faults.nonfinite",
     "latency_every": "metrics.latency_every", "straggler_device": "straggler.device",
     "straggler_delay_iters": "straggler.delay_iters", "straggler_mode": "straggler.mode",
@@ -37,6 +37,7 @@ class RuntimeOptions:
   bn_policy: str = "mix"
   push_sum: str = "per_stage"
   gossip: bool = True
+  fanout: int = 1
   local_update: str = "params"
   max_update_scale: float = 4.0
   max_dispatch_ahead: int = 1
