@@ -22,7 +22,7 @@ RENAMED["host_allocator"] = "tuning.host_allocator"
 # config's `:<algorithm>` column starts from these (`paper_config`).
 ALGORITHM_SETTINGS = {
     "layup_paper": {"layup.push_sum": "per_model", "model.granularity": "per_layer",
-                    "layup.local_update": "params"},
+                    "layup.local_update": "params", "layup.fanout": 1},
 }
 
 
@@ -49,9 +49,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.blocks_per_stage = 1  # digits_resnet: basic blocks per width
   config.model.variant = "cifar"  # ResNets: "cifar" (3x3 stem) or "imagenet" (7x7, max-pool)
   config.model.size = "gpt2"  # GPT-2: "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"
-  # What LayUp updates and sends as one layer: "per_block" (a residual block, a transformer
-  # block) or "per_layer" (each convolution, each half of a GPT-2 block: the paper's).
-  config.model.granularity = "per_block"
+  # What LayUp updates and sends as one layer: "per_layer" (each convolution, each half of a
+  # GPT-2 block: the paper's) or "per_block" (a residual block, a transformer block: fewer
+  # programs per iteration, coarser updates).
+  config.model.granularity = "per_layer"
   # Consecutive stages run as one (1: the granularity's own stages): less host time per
   # iteration, coarser layer-wise updates; not with model.pretrained.
   config.model.stages_per_group = 1
@@ -122,9 +123,10 @@ def get_config() -> ml_collections.ConfigDict:
   # the parameters) or "local" (each device's own).
   config.layup.bn_policy = "mix"
   config.layup.gossip = True  # False: local steps only, no peer (an ablation that times gossip)
-  # Distinct random peers each stage goes to per iteration (1: the paper's one peer); each send
-  # takes half of what the stage holds then. Per-stage push-sum only.
-  config.layup.fanout = 1
+  # Distinct random peers each stage goes to per iteration, each send taking half of what the
+  # stage holds then: 2 (beyond the paper: more mixing, twice the messages) or 1 (the paper's one
+  # peer). More than 1 needs per-stage push-sum.
+  config.layup.fanout = 2
   # Push-sum weights: "per_stage", one weight per device and stage, each stage an exact push-sum
   # instance; "per_model", one per device, as the paper's Algorithm 1 writes it.
   config.layup.push_sum = "per_stage"

@@ -84,7 +84,8 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "layup.local_update", options.LOCAL_UPDATES)
   _at_least(config, "layup.fanout", 1)
   _require(config.layup.fanout == 1 or config.layup.push_sum == "per_stage", "layup.fanout",
-           config.layup.fanout, "more than one peer needs layup.push_sum='per_stage'")
+           config.layup.fanout,
+           "more than one peer needs layup.push_sum='per_stage' (per_model: set layup.fanout=1)")
   _one_of(config, "tuning.pin_host_threads", options.PIN_HOST_THREADS)
   _one_of(config, "tuning.remat", programs.REMAT_POLICIES)
   _one_of(config, "faults.nonfinite", stats.POLICIES)
