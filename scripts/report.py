@@ -128,6 +128,8 @@ def budget_tables(name: str, budgets: dict, batch_size: int, figure: str | None)
     lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(targets) + " |")
   if figure:
     lines += ["", f"![final accuracy against samples seen]({figure})"]
+  if meta.get("note"):  # how the runs were made and named, where a table cannot say it
+    lines += ["", f"**Note**: {meta['note']}"]
   return lines
 
 

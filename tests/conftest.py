@@ -29,9 +29,15 @@ assert len(jax.devices()) == 8, jax.devices()
 
 @pytest.fixture
 def tiny_config():
-  """The digits task shrunk for tests: narrow ResNet, few steps, no progress bar."""
+  """The digits task shrunk for tests: narrow ResNet, few steps, no progress bar.
+
+  A stage per residual block (5 stages) rather than the default's per layer (8): the suite
+  compiles and dispatches about a third fewer programs per run, which keeps CI within its time.
+  Tests of the default granularity set it themselves (test_train.py, test_models.py).
+  """
   config = base.get_config()
   config.model.widths = (4, 8, 8)
+  config.model.granularity = "per_block"
   config.num_steps = 20
   config.eval_every = 10
   config.progress_bar = False

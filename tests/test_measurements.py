@@ -99,11 +99,11 @@ def test_a_run_reports_throughput_per_device_mfu_and_time_to_target(tiny_config,
                                                                    monkeypatch):
   monkeypatch.setitem(flops.PEAK_FLOPS, jax.devices()[0].device_kind, 1e11)  # a made-up peak
   tiny_config.num_devices, tiny_config.eval_every = 4, 5
-  tiny_config.metrics.target_accuracy = 0.3
+  tiny_config.metrics.target_accuracy = 0.2  # a tiny run's evaluations cross it within 20 steps
   tiny_config.metrics.latency_every = 2  # every other iteration: samples in every train row
   summary = runner.run(tiny_config, tmp_path)
   tests = [r for r in read_metrics(tmp_path) if r["split"] == "test"]
-  first = next(r for r in tests if r["accuracy"] >= 0.3)
+  first = next(r for r in tests if r["accuracy"] >= 0.2)
   assert summary["time_to_target_s"] == first["time_s"] and summary["target_step"] == first["step"]
   best = max(r["accuracy"] for r in tests)
   assert summary["best_eval_accuracy"] == best

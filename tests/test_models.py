@@ -164,10 +164,14 @@ def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
 
 
 def test_identical_blocks_share_one_jitted_function():
-  model = models.make_model(tiny("gpt2", dropout=0.1))  # embedding, 2 equal blocks, head
-  steps = programs.make_stage_steps(model)
+  model = models.make_model(tiny("gpt2", dropout=0.1, granularity="per_block"))
+  steps = programs.make_stage_steps(model)  # embedding, 2 equal blocks, head
   assert steps.forward[1] is steps.forward[2]
   assert steps.forward[0] is not steps.forward[1]
+  # Per layer (the default): embedding, attn, mlp, attn, mlp, head; equal layers share one.
+  per_layer = programs.make_stage_steps(models.make_model(tiny("gpt2", dropout=0.1)))
+  assert per_layer.forward[1] is per_layer.forward[3] and per_layer.forward[2] is per_layer.forward[4]
+  assert per_layer.forward[1] is not per_layer.forward[2]
   # Dropout still differs between the two blocks: each stage has its own key.
   keys = [staged.stage_key(jax.random.key(0), s) for s in range(model.num_stages)]
   assert not np.array_equal(jax.random.key_data(keys[1]), jax.random.key_data(keys[2]))

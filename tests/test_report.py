@@ -129,6 +129,33 @@ def test_a_claim_holds_only_beyond_the_noise():
   assert report.verdict(-0.02, 0.01, better_if_positive=False) == "holds"  # lower is better
 
 
+def test_samples_to_a_target_interpolate_the_mean_final_accuracy_between_budgets():
+  report = _script("report")
+  points = [(60e3, 0.86), (120e3, 0.89), (180e3, 0.91)]
+  assert report.samples_to(points, 0.90) == "150 k"  # halfway from 0.89 to 0.91
+  assert report.samples_to(points, 0.85) == "<= 60 k"
+  assert report.samples_to(points, 0.92) == "> 180 k"
+
+
+def test_the_budget_table_has_a_row_per_method_and_variant_with_its_settings_and_note():
+  report = _script("report")
+  runs = [{"algorithm": algorithm, "variant": variant, "seed": seed, "delay": 0.0,
+           "num_steps": steps, "num_devices": 8, "final_accuracy": accuracy + 0.001 * seed,
+           "code_version": "abc1234"}
+          for algorithm, variant, rise in (("ddp", "", 0.0), ("layup", "", 0.01),
+                                           ("layup", "one_peer", -0.01))
+          for steps, base in ((234, 0.86), (468, 0.89))
+          for seed in (0, 1, 2) for accuracy in [base + rise]]
+  meta = {"config": "configs/fashion_mnist.py", "commands": ["python scripts/sweep.py ..."],
+          "variants": {"one_peer": ["num_epochs=1", "layup.fanout=1"]},
+          "note": "one_peer ran at an older commit"}
+  lines = report.budget_tables("budgets", {"meta": meta, "runs": runs}, 32, None)
+  rows = {line.split(" | ")[0]: line for line in lines if line.startswith("| ")}
+  assert set(rows) == {"| method", "| DDP", "| LayUp", "| LayUp `one_peer` (`layup.fanout=1`)"}
+  assert "0.871 ± 0.001 (3)" in rows["| LayUp"] and "> 120 k" in rows["| LayUp `one_peer` (`layup.fanout=1`)"]
+  assert lines[-1] == "**Note**: one_peer ran at an older commit"
+
+
 def test_the_straggler_claim_compares_the_times_to_target_under_each_delay():
   # The paper's Figure 3 as a claim per (mode, delay): LayUp's time to the target against DDP's
   # under the same straggler; a method that never reaches it within its run loses.
