@@ -17,6 +17,10 @@ RENAMED = {f"layup.{key}": f"tuning.{key}" for key in (
     "updater_thread", "pin_host_threads", "idle_poll_s", "pack_stages", "fuse_local_step",
     "remat", "chain_forwards", "max_dispatch_ahead", "max_sends_in_flight")}
 RENAMED["host_allocator"] = "tuning.host_allocator"
+# A checkpoint's config lacks the keys added after it was written; such a run behaved as the
+# key's default does, except for these keys, whose default changed after they were added: the
+# value here is what every run did before the key existed.
+BEFORE_THE_KEY = {"layup.fanout": 1}
 # What an algorithm name stands for beyond its code: `layup_paper` is the paper's Algorithm 1 as
 # written (one push-sum weight per device, a stage per layer), beside `layup`'s defaults. Every
 # config's `:<algorithm>` column starts from these (`paper_config`).

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from configs import base
 from layup_jax.algorithms import periodic
 from layup_jax.algorithms.outer import CO2Outer
 from layup_jax.algorithms.periodic import make_exchange
@@ -428,3 +429,25 @@ def test_restore_starts_a_new_workdir_from_a_given_checkpoint(tiny_config, tmp_p
   tiny_config.restore = str(tmp_path / "nowhere")
   with pytest.raises(ConfigError, match="config.restore"):
     runner.run(tiny_config, tmp_path / "third")
+
+
+def test_a_checkpoint_written_before_a_key_existed_resumes_at_its_default_not_at_another_value(
+    tmp_path):
+  """A key added later (here `model.attention`) is absent from an older checkpoint's config: that
+  run behaved as the default does, so only a value other than the default stops the resume."""
+  current = base.get_config()
+  saved = json.loads(current.to_json_best_effort())
+  del saved["model"]["attention"]
+  checks.check_compatible(json.dumps(saved), current.to_json_best_effort(), tmp_path)  # no error
+  current.model.attention = "xla"
+  with pytest.raises(ConfigError, match=r"model\.attention=.*'xla'"):
+    checks.check_compatible(json.dumps(saved), current.to_json_best_effort(), tmp_path)
+  current.model.attention = base.get_config().model.attention
+  # `layup.fanout` came with one peer, the default later became two: a checkpoint without the
+  # key ran one peer, which a resume at two is warned of (not structural).
+  del saved["layup"]["fanout"]
+  assert checks.config_differences(json.dumps(saved), current.to_json_best_effort()) == {
+      "layup.fanout": (1, current.layup.fanout)}
+  saved["model"]["granularity"] = "per_block"  # a key the checkpoint has: compared as saved
+  with pytest.raises(ConfigError, match=r"model\.granularity='per_block'"):
+    checks.check_compatible(json.dumps(saved), current.to_json_best_effort(), tmp_path)
