@@ -32,8 +32,10 @@ def tiny(name: str, **overrides):
   """A config.model small enough for CPU tests, and a batch generator for it."""
   config = base.get_config().model
   config.name = name
+  # A stage per block, as before LayUp's default became per layer: the cases that need per-layer
+  # stages name it (a ResNet-50 per layer compiles about 50 stage programs per test).
   config.update({"variant": "cifar", "num_classes": 5, "size": "tiny", "vocab_size": 48, "max_len": 16,
-                     "hidden_size": 16, "num_layers": 2, "dropout": 0.0})
+                     "hidden_size": 16, "num_layers": 2, "dropout": 0.0, "granularity": "per_block"})
   config.update(overrides)
   return config
 
@@ -164,12 +166,13 @@ def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
 
 
 def test_identical_blocks_share_one_jitted_function():
-  model = models.make_model(tiny("gpt2", dropout=0.1, granularity="per_block"))
+  model = models.make_model(tiny("gpt2", dropout=0.1))
   steps = programs.make_stage_steps(model)  # embedding, 2 equal blocks, head
   assert steps.forward[1] is steps.forward[2]
   assert steps.forward[0] is not steps.forward[1]
-  # Per layer (the default): embedding, attn, mlp, attn, mlp, head; equal layers share one.
-  per_layer = programs.make_stage_steps(models.make_model(tiny("gpt2", dropout=0.1)))
+  # Per layer (LayUp's default): embedding, attn, mlp, attn, mlp, head; equal layers share one.
+  per_layer = programs.make_stage_steps(
+      models.make_model(tiny("gpt2", dropout=0.1, granularity="per_layer")))
   assert per_layer.forward[1] is per_layer.forward[3] and per_layer.forward[2] is per_layer.forward[4]
   assert per_layer.forward[1] is not per_layer.forward[2]
   # Dropout still differs between the two blocks: each stage has its own key.

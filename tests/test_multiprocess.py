@@ -440,6 +440,7 @@ def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):
   and evaluates the run's final model (the push-sum average is unchanged). (One process
   resumes a checkpoint of another device count as tests/test_checkpoint.py shows.)"""
   settings = {"algorithm": "layup", "num_steps": 150, "eval_every": 30, "progress_bar": False,
+              "model.granularity": "per_block",  # 5 stage programs, not 8: CI's time
               "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "elastic"
   status, output = _kill_process_2_of_3x2(work, settings, "--keep-going", at_step=60)
@@ -497,6 +498,7 @@ def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
   `test_the_launcher_starts_a_killed_process_again_while_process_0_runs`.)"""
   steps, kill_at, restart_at = 1000, 0.2, 0.3
   settings = {"algorithm": "layup", "num_steps": steps, "eval_every": 60,
+              "model.granularity": "per_block",  # 5 stage programs, not 8: CI's time
               "checkpoint.every": 250, "progress_bar": False,
               "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "rejoin"
@@ -562,6 +564,7 @@ def test_layup_trains_on_when_process_0_is_killed(tmp_path):
   survivors' per-stage weights sum to 1 within 1e-9 after renormalisation; the final
   checkpoint holds their 4 devices."""
   settings = {"algorithm": "layup", "num_steps": 150, "eval_every": 30, "progress_bar": False,
+              "model.granularity": "per_block",  # 5 stage programs, not 8: CI's time
               "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "elastic"
   status, output = _kill_process_2_of_3x2(work, settings, "--keep-going", at_step=60, victim=0)
@@ -590,8 +593,9 @@ def test_layup_trains_on_when_process_0_is_killed_and_started_again(tmp_path):
   each taking a live device's replica with half its weight; process 1 keeps the lead. Every
   average after the rejoin holds 6 devices with weights summing to 1 within 1e-9, process 0's
   devices trained again, and the run reaches >= 0.95."""
-  steps, kill_at, restart_at = 2500, 0.4, 0.6
+  steps, kill_at, restart_at = 1500, 0.4, 0.6
   settings = {"algorithm": "layup", "num_steps": steps, "eval_every": 50, "progress_bar": False,
+              "model.granularity": "per_block",  # 5 stage programs, not 8: CI's time
               "checkpoint.every": 500, "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "rejoin"
   port = free_port()
