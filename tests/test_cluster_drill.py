@@ -24,7 +24,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DRILL = ["bash", "scripts/cluster_drill.sh"]
-DEADLINE_S = 30  # for a stand-in to start, or a drill to end
+# For a stand-in to start, or a drill to end: a guard against a hang, not a speed bound (a drill
+# stopped mid-run once took over 30 s to end beside the suite's multi-process tests, 2026-12-04).
+DEADLINE_S = 120
 
 needs_netns = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,
