@@ -89,12 +89,14 @@ def _iterators(config, num_devices):
   return [endless(i) for i in range(num_devices)]
 
 
-@pytest.mark.parametrize("config", [tiny("resnet18"), MODELS[1], MODELS[2], MODELS[5]],
-                         ids=["resnet18", "resnet50", "gpt2-tiny", "lstm"])
+@pytest.mark.parametrize("config", [tiny("resnet18"), MODELS[2], MODELS[5]],
+                         ids=["resnet18", "gpt2-tiny", "lstm"])
 def test_one_layup_and_one_ddp_step_on_two_devices(config):
-  """Each of the paper's models takes LayUp iterations (gossip between two devices; the weights
-  stay exact) and DDP steps. Two devices, not more: each device compiles every stage's programs,
-  which is most of this test's time."""
+  """Each kind of the paper's models (a ResNet, a transformer, an LSTM) takes LayUp iterations
+  (gossip between two devices; the weights stay exact) and DDP steps. Two devices, not more: each
+  device compiles every stage's programs, which is most of this test's time. ResNet-50 differs
+  from ResNet-18 only in its blocks, whose staged gradients `test_staged_gradients_equal_jax_grad`
+  checks; its steps here took 68 s of CI's time."""
   model = models.make_model(config)
   example = batch_for(config, 4, 0)
   params, state = model.init(jax.random.key(0), example.inputs)
