@@ -69,6 +69,16 @@ def _left_over() -> list[str]:
   return sorted(set(found))
 
 
+# Prefixed to a command that a test interrupts: SIGINT at its default disposition, then the
+# command. A process started in the background by a non-interactive shell (`pytest ... &`)
+# ignores SIGINT, its children inherit that, and neither bash nor Python can trap a signal
+# ignored at its start: the interrupt tests would then measure how the suite was started (a
+# drill ignoring Ctrl-C ran its stand-ins to their end), not the drill. (An exec, not a
+# `preexec_fn`: a fork of the test's process, which JAX's threads share, may deadlock.)
+INTERRUPTIBLE = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
+                 "signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"]
+
+
 def _wait_for(path: pathlib.Path, process: subprocess.Popen | None = None) -> None:
   """Polls until `path` exists (a stand-in started), failing at the deadline or when `process`
   ended first."""
@@ -194,10 +204,10 @@ def test_a_drill_stopped_mid_run_removes_what_it_made(netns, sig, status):
   started = netns / "started"
   python = _stand_in(netns, "sleeps", f'touch "{started}.${{@: -1}}"; exec sleep 60')
   # Its own process group, as a terminal's foreground job: Ctrl-C reaches every process of it.
-  drill = subprocess.Popen([*DRILL, "--hosts", "3", "--devices-per-host", "1", "--rate",
-                            "20mbit", "--", "x"], cwd=ROOT, env=_environment(PYTHON=python),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+  drill = subprocess.Popen([*INTERRUPTIBLE, *DRILL, "--hosts", "3", "--devices-per-host", "1",
+                            "--rate", "20mbit", "--", "x"], cwd=ROOT,
+                           env=_environment(PYTHON=python), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
   try:
     _wait_for(pathlib.Path(f"{started}.--config.distributed.process_id=2"), drill)
     os.killpg(drill.pid, sig)
@@ -268,8 +278,8 @@ def test_bench_cluster_interrupted_lets_the_drill_clean_up_and_writes_what_finis
   started, out = netns / "started", netns / "bench.json"
   python = _stand_in(netns, "sleeps", f'touch "{started}.${{@: -1}}"; exec sleep 60')
   bench = subprocess.Popen(
-      [sys.executable, "scripts/bench_cluster.py", "--layouts", "3x1", "--rates", "20mbit",
-       "--algorithms", "layup", "--repeats", "1", "--out", str(out)],
+      [*INTERRUPTIBLE, sys.executable, "scripts/bench_cluster.py", "--layouts", "3x1", "--rates",
+       "20mbit", "--algorithms", "layup", "--repeats", "1", "--out", str(out)],
       cwd=ROOT, env=_environment(PYTHON=python), stdout=subprocess.DEVNULL,
       stderr=subprocess.PIPE, text=True, start_new_session=True)
   try:
