@@ -28,8 +28,8 @@
 #               `chained` beside the runtime and the fused step (ResNet-18 b128, GPT-2 124M)
 #   DEFAULTS=0  leaves out bench_step and bench_host above (the device tool brings back 8 files:
 #               CMDBUF=1 alone writes 7)
-#   attention   with ATTENTION=1: cuDNN's flash attention against XLA's on GPT-2 124M (the
-#               logits of both to bf16 tolerance, then the fused and staged steps with each,
+#   attention   with ATTENTION=1: cuDNN's flash attention against XLA's on GPT-2 124M (cuDNN's
+#               bf16 logits no further from XLA's float32 ones than XLA's bf16 logits, then the fused and staged steps with each,
 #               `gpt2-124m-bf16` (auto: cuDNN) beside `gpt2-124m-bf16-xla`), and the batch that
 #               fills the GPU with the vocabulary padded to 50,304 (`gpt2-124m-bf16-b32`)
 #   dispatch    with DISPATCH=1: each program's dispatch cost inside a run against alone
@@ -210,24 +210,32 @@ if [[ "${REMAT:-0}" == 1 ]]; then
     --sides runtime noremat fused --repeats 5 --out "$out/bench_step_remat.json"
 fi
 if [[ "${ATTENTION:-0}" == 1 ]]; then
+  # Both bf16 paths against XLA's float32 logits (the same parameters: they are float32 in
+  # every dtype): cuDNN's may be no further from them than XLA's own bf16 path, 10 % allowed on
+  # the max and the mean. A fixed bound between the two bf16 paths does not hold for a 12-layer
+  # model: on an H200 (2026-12-04) XLA's bf16 logits were 0.043 from float32's at most and
+  # cuDNN's 0.038, and the two bf16 paths 0.040 from each other, over 2e-2.
   run attention_check 90 python3 -c "
 import jax, numpy as np
 from configs import base
 from layup_jax import models
 config = base.get_config().model
-config.update({'name': 'gpt2', 'size': 'gpt2', 'dtype': 'bfloat16', 'max_len': 1024})
+config.update({'name': 'gpt2', 'size': 'gpt2', 'max_len': 1024})
 tokens = np.random.default_rng(0).integers(0, config.vocab_size, (4, 1024)).astype(np.int32)
 out = {}
-for attention in ('xla', 'cudnn'):
-  config.attention = attention
+for name, dtype, attention in (('xla_f32', 'float32', 'xla'), ('xla', 'bfloat16', 'xla'),
+                               ('cudnn', 'bfloat16', 'cudnn')):
+  config.dtype, config.attention = dtype, attention
   model = models.make_model(config)
   params, state = model.init(jax.random.key(0), tokens)
-  out[attention] = np.asarray(model.apply(params, state, tokens, jax.random.key(0), 0,
-                                          train=False)[0], np.float32)
-diff = np.abs(out['cudnn'] - out['xla'])
-print('cudnn vs xla logits: max abs diff', diff.max(), 'mean', diff.mean(),
-      'max abs logit', np.abs(out['xla']).max())
-assert np.allclose(out['cudnn'], out['xla'], atol=2e-2, rtol=2e-2), 'beyond bf16 tolerance'
+  out[name] = np.asarray(model.apply(params, state, tokens, jax.random.key(0), 0,
+                                     train=False)[0], np.float32)
+error = {name: np.abs(out[name] - out['xla_f32']) for name in ('xla', 'cudnn')}
+for name, diff in error.items():
+  print(name, 'bf16 vs xla float32 logits: max abs diff', diff.max(), 'mean', diff.mean())
+print('max abs logit', np.abs(out['xla_f32']).max())
+assert error['cudnn'].max() <= 1.1 * error['xla'].max(), 'cuDNN further from float32 than XLA'
+assert error['cudnn'].mean() <= 1.1 * error['xla'].mean(), 'cuDNN further from float32 than XLA'
 "
   run step_attention 300 python3 scripts/bench_step.py \
     --cases gpt2-124m-bf16-xla gpt2-124m-bf16 gpt2-124m-bf16-b32 --sides runtime fused \
