@@ -29,9 +29,10 @@
 #   DEFAULTS=0  leaves out bench_step and bench_host above (the device tool brings back 8 files:
 #               CMDBUF=1 alone writes 7)
 #   attention   with ATTENTION=1: cuDNN's flash attention against XLA's on GPT-2 124M (cuDNN's
-#               bf16 logits no further from XLA's float32 ones than XLA's bf16 logits, then the fused and staged steps with each,
-#               `gpt2-124m-bf16` (auto: cuDNN) beside `gpt2-124m-bf16-xla`), and the batch that
-#               fills the GPU with the vocabulary padded to 50,304 (`gpt2-124m-bf16-b32`)
+#               bf16 logits no further from XLA's float32 ones than XLA's bf16 logits, then
+#               the fused and staged steps with each, `gpt2-124m-bf16` (auto: cuDNN) beside
+#               `gpt2-124m-bf16-xla`), and the batch that fills the GPU with the vocabulary
+#               padded to 50,304 (`gpt2-124m-bf16-b32`)
 #   dispatch    with DISPATCH=1: each program's dispatch cost inside a run against alone
 #               (`bench_host.py dispatch`), on the same fake devices (is the 2-core machine's
 #               1.5-3.8x the CPU client's?)

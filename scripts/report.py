@@ -839,14 +839,16 @@ def hosts_claim(groups: dict[tuple, list[dict]]) -> list[str]:
     diloco = groups.get(("diloco", layout, rate), [])
     times = [[r["time_to_target_s"] for r in g] for g in (layup, ddp, diloco)]
     accuracy = [statistics.mean(r["final_accuracy"] for r in g) for g in (layup, ddp)]
+    ratio, versus = None, "-"
     if any(t is None for ts in times for t in ts):
-      ratio, holds = None, "does not hold (a seed did not reach the target)"
+      holds = "does not hold (a seed did not reach the target)"
     else:
-      ratio = statistics.mean(times[0]) / statistics.mean(times[1])
-      first = not diloco or statistics.mean(times[0]) <= statistics.mean(times[2])
+      layup_s, ddp_s, diloco_s = (statistics.mean(ts) if ts else None for ts in times)
+      ratio = layup_s / ddp_s
+      first = diloco_s is None or layup_s <= diloco_s
       holds = ("holds" if ratio <= 0.6 and first and accuracy[0] >= accuracy[1] - 0.003
                else "does not hold")
-    versus = (f"{statistics.mean(times[2]):.1f} s" if diloco and ratio is not None else "-")
+      versus = "-" if diloco_s is None else f"{diloco_s:.1f} s"
     rows.append(f"| across hosts ({layout}, {rate} links) {case_name(case)} reaches the target "
                 f"first (time <= 0.6x DDP's and <= DiLoCo's, accuracy >= DDP's - 0.003) | "
                 f"{'-' if ratio is None else f'{ratio:.3f}'} | {versus} | {accuracy[0]:.4f} vs "
