@@ -237,6 +237,11 @@ def get_config() -> ml_collections.ConfigDict:
   # scales), each with per-stage error feedback and exact push-sum weights. Sends within a
   # process are never compressed.
   config.distributed.compression = "int8"
+  # When a gossip run loses a process: True, the live devices train its devices' share of the
+  # remaining samples (each step of the run then costs each of them devices / live devices
+  # iterations, the schedule stretched with it, until a rejoin): the run ends on its planned
+  # samples, later; False, they train their own steps only: it ends on time, on fewer samples.
+  config.distributed.survivors_train_lost_share = True
 
   # The runtime's host-side knobs (docs/guide/performance.md). Each default serves every
   # workload measured; the experiment configs set none.

@@ -581,6 +581,11 @@ def test_layup_trains_on_when_process_0_is_killed(tmp_path):
   tests = [r for r in read_metrics(work) if r["split"] == "test"]
   assert [r["step"] for r in tests] == list(range(0, 151, 30))  # one record per evaluation
   assert tests[-1]["devices_in_average"] == 4
+  # The survivors trained the lost devices' share of the remaining samples (6 devices' worth of
+  # iterations per step, from when each read the declaration: a few steps after it), each
+  # process to a whole round: the run's 900 less what process 0 had not trained by then.
+  trained = sum(summary["device_iterations"])
+  assert 900 - 2 * lost_at - 2 * 10 <= trained <= 900 - 2 * lost_at + 4, (trained, lost_at)
   final = json.loads((work / "checkpoints" / "150" / "meta" / "metadata").read_text())
   assert (final["runtime"]["num_devices"], final["runtime"]["processes"]) == (4, [1, 2])
 
@@ -636,6 +641,9 @@ def test_layup_trains_on_when_process_0_is_killed_and_started_again(tmp_path):
   summary = json.loads((work / "summary.json").read_text())
   assert summary["final_eval_accuracy"] >= 0.95
   assert min(summary["device_samples_per_s"][:2]) > 0  # process 0's devices trained again
+  # ... one iteration each per step from the one it rejoined at: 6 devices live again, nobody's
+  # share is left to take
+  assert sum(summary["device_iterations"][:2]) == 2 * (steps - int(rejoined[0]))
 
 
 @pytest.mark.multiprocess

@@ -9,6 +9,7 @@ this: peers, transport and weights are changed underneath it.
 """
 
 import time
+from fractions import Fraction
 
 import jax
 
@@ -45,6 +46,7 @@ class Elastic:
       return
     self.rt.transport.lose(process)
     self.rt.peers.lose(self.devices_of({process}))
+    self._pace()
 
   def on_rejoined(self, process: int) -> None:
     """Process `process` was admitted back (`_admit`): its devices are peers again, and a
@@ -57,6 +59,18 @@ class Elastic:
     self._renormalise()
     if self.processes_lost:
       self._admit(step)
+      self._pace(step)
+
+  def _pace(self, step: int | None = None) -> None:
+    """With `distributed.survivors_train_lost_share`, each step of the run costs this
+    process's devices `devices / live devices` iterations from the next whole one on
+    (layup_jax/runtime/pace.py); a consistent point at `step` anchors the change there."""
+    rt = self.rt
+    if not rt.options.survivors_train_lost_share:
+      return
+    live = set(range(jax.process_count())) - set(membership.members.lost)
+    rt.pace.set_rate(Fraction(rt.total_devices, len(self.devices_of(live))),
+                     rt.iterations_started(), None if step is None else step * rt.num_devices)
 
   def _renormalise(self) -> None:
     """Once a process is lost, the survivors divide each stage's push-sum weights by the
@@ -120,6 +134,7 @@ class Elastic:
       replica.iteration = self.joined_at[i] = step
     rt.restored(step * rt.num_devices)
     self._count_live_devices()
+    self._pace(step)
     self.processes_lost = True
     self.saves_checkpoints = False
     rt.start_threads()  # the receiver loops merge the shares (nothing else is granted yet)

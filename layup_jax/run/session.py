@@ -403,6 +403,7 @@ class Session:
         "compile_s": self.compile_s,
         "checkpoints_given_up": self.checkpoints_given_up,
         "train_samples_per_s": self.samples_per_s(),
+        "device_iterations": stats.iterations_per_device(),
         "skipped_steps": stats.skipped_steps(),
         "host_threads_cpu_s": stats.host_cpu_s(),
         "host_allocator": allocator.in_use(),

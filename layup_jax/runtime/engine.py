@@ -35,6 +35,7 @@ from layup_jax.multiprocess.elastic import Elastic
 from layup_jax.runtime import costs, transfer
 from layup_jax.runtime.exchange import Exchange, Links
 from layup_jax.runtime.options import RuntimeOptions
+from layup_jax.runtime.pace import Pace
 from layup_jax.runtime.replicas import ReplicaStore
 from layup_jax.runtime.scheduler import (
   Budget,
@@ -96,8 +97,6 @@ class AsyncRuntime:
                                options.transfer_host, stopped, options.max_remote_backlog)
     self.across_processes = self.transport.across_processes
     self.elastic = Elastic(self)  # an elastic run trains on when a process is lost
-    if self.across_processes:
-      self.elastic.listen()
     self.outboxes = [Outbox(self.store, i, self.transport, self.peers.choose,
                             options.max_sends_in_flight) for i in range(self.num_devices)]
     self.exchange = make_exchange(Links(self.store, self.outboxes, self.peers, options,
@@ -131,6 +130,11 @@ class AsyncRuntime:
     self.updater = (Scheduler("updater", turns, poll) if options.updater_thread
                     else self.dispatcher)
     self._budget = Budget(self.num_devices, on_grant=self.dispatcher.wake)
+    # The run's iterations against this process's: one to one until a lost process's share of
+    # the samples falls to this one (`Elastic`).
+    self.pace = Pace(self.num_devices)
+    if self.across_processes:
+      self.elastic.listen()
 
   @property
   def replicas(self):
@@ -147,7 +151,7 @@ class AsyncRuntime:
     store, replica, fused = self.store, self.store.replicas[i], self.fuses_local_step
     batch = next(self.train_batches[i])
     step = (replica.iteration if self.exchange.schedule_by_own_iteration
-            else index // self.num_devices)
+            else self.pace.nominal(index) // self.num_devices)
     x, labels, iteration, step = transfer.to_device(
         (batch.inputs, batch.targets, np.int32(replica.iteration), np.int32(step)),
         replica.device)
@@ -354,14 +358,19 @@ class AsyncRuntime:
       raise RuntimeError("the runtime was closed")
     if not self.threads.started:
       self.start_threads()
-    self._budget.grant(iterations)
-    target = iterations
+    # `iterations` is the run's count (steps x this process's devices); this process's own
+    # is `pace.actual` of it, and grows while the wait lasts if a process is lost meanwhile.
+    target, held = self.pace.actual(iterations), False
+    self._budget.grant(target)
     while not self._budget.wait_finished(target, timeout=0.1):
       self.raise_if_failed()
-      on_progress(self._budget.finished)
-      if target == iterations and should_stop():
+      on_progress(self.pace.nominal(self._budget.finished))
+      if not held and should_stop():
         # No new iterations beyond the next whole step; those under way finish.
-        target = self._budget.hold(self.num_devices)
+        target, held = self._budget.hold(self.num_devices), True
+      elif not held and self.pace.actual(iterations) != target:
+        target = self.pace.actual(iterations)
+        self._budget.grant(target)
     self.raise_if_failed()
     for i in range(self.num_devices):  # every task is idle: read the last flags
       self._checks.read(i)
@@ -380,14 +389,20 @@ class AsyncRuntime:
     self.store.settle()
     if self.across_processes and membership.members.elastic:
       self.elastic.at_consistent_point(iterations // self.num_devices)
-    on_progress(self._budget.finished)
+    on_progress(self.pace.nominal(self._budget.finished))
+
+  def iterations_started(self) -> int:
+    """This process's iterations begun (its own count, not the run's)."""
+    return self._budget.started
 
   def iterations_done(self) -> int:
-    return self._budget.finished
+    """The run's count (`pace.nominal` of this process's own)."""
+    return self.pace.nominal(self._budget.finished)
 
   def restored(self, iterations_done: int) -> None:
     """Counts a restored checkpoint's iterations as done (`RuntimeCheckpoint`)."""
     self._budget.reset(iterations_done)
+    self.pace = Pace(self.num_devices, iterations_done)
     for i, replica in enumerate(self.store.replicas):
       self._checks.applied[i] = replica.iteration
 

@@ -23,6 +23,7 @@ CONFIG_KEYS = {
     "remote_peer_probability": "distributed.remote_peer_probability",
     "max_remote_backlog": "distributed.max_remote_backlog",
     "compression": "distributed.compression",
+    "survivors_train_lost_share": "distributed.survivors_train_lost_share",
     **{knob: f"tuning.{knob}" for knob in (
         "max_dispatch_ahead", "max_sends_in_flight", "pack_stages", "fuse_local_step",
         "updater_thread", "pin_host_threads", "idle_poll_s", "remat", "chain_forwards")},
@@ -58,6 +59,7 @@ class RuntimeOptions:
   remote_peer_probability: float = 0.2
   max_remote_backlog: int = 4
   compression: str = "int8"
+  survivors_train_lost_share: bool = True
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "RuntimeOptions":
