@@ -55,6 +55,6 @@ def test_the_runtime_trains_the_stretched_steps_and_counts_the_runs():
     progress = []
     runtime.run_until(4 * 20, progress.append)
     assert runtime.iterations_done() // 4 == 20 and progress[-1] // 4 == 20
-    assert sum(runtime.stats.iterations_per_device()) == 40 + 48
+    assert sum(runtime.stats.iterations_per_device()) == runtime.own_iterations() == 40 + 48
   finally:
     runtime.close()

@@ -57,6 +57,11 @@ class Runtime(Protocol):
 
   def iterations_done(self) -> int: ...
 
+  def own_iterations(self) -> int:
+    """This process's iterations done: `iterations_done` but after an elastic run lost a
+    process, whose share of the samples this process's devices then train too
+    (layup_jax/runtime/pace.py)."""
+
   def flops_per_iteration(self) -> float:
     """XLA's FLOP count of one device's iteration."""
 

@@ -190,6 +190,9 @@ class DDPRuntime:
   def iterations_done(self) -> int:
     return self._steps_done * self.num_devices
 
+  def own_iterations(self) -> int:
+    return self.iterations_done()
+
   def _snapshot(self) -> Snapshot:
     ones = [[1.0] * len(self.params)]
     # This process's copy of the replicated model (in a multi-process run the global arrays

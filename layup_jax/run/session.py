@@ -59,11 +59,12 @@ class Every:
 
 @dataclasses.dataclass
 class _Progress:
-  """A tqdm bar in global steps (device iterations / M), and with `log` this process's
-  iterations over time (`metrics.progress_every_s`)."""
+  """A tqdm bar in global steps (the run's device iterations / M), and with `log` this
+  process's own iterations over time (`metrics.progress_every_s`)."""
 
   bar: tqdm.tqdm
   num_devices: int
+  own_iterations: Callable[[], int]
   log: "ProgressLog | None" = None
 
   def __call__(self, iterations: int) -> None:
@@ -71,7 +72,7 @@ class _Progress:
     membership.members.step = step  # the step a lost process is declared at
     self.bar.update(step - self.bar.n)
     if self.log is not None:
-      self.log.write(iterations, step)
+      self.log.write(self.own_iterations(), step)
 
 
 def _stop_checks(should_stop: Callable[[], bool]) -> tuple[Callable[[], bool], Callable[[], bool]]:
@@ -198,7 +199,7 @@ class Session:
                           file=sys.stderr, dynamic_ncols=True)
     every_s = self.config.metrics.get("progress_every_s", 0.0)
     log = ProgressLog(self.workdir, every_s) if every_s else None
-    progress = _Progress(self._bar, self.per_step, log)
+    progress = _Progress(self._bar, self.per_step, self.runtime.own_iterations, log)
     with self._bar, contextlib.closing(log) if log else contextlib.nullcontext():
       for target in sorted(s for s in due if s > self.start_step):
         if stop_now():

@@ -399,6 +399,9 @@ class AsyncRuntime:
     """The run's count (`pace.nominal` of this process's own)."""
     return self.pace.nominal(self._budget.finished)
 
+  def own_iterations(self) -> int:
+    return self._budget.finished
+
   def restored(self, iterations_done: int) -> None:
     """Counts a restored checkpoint's iterations as done (`RuntimeCheckpoint`)."""
     self._budget.reset(iterations_done)
