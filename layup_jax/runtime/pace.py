@@ -38,11 +38,15 @@ class Pace:
   def nominal(self, actual: int) -> int:
     """The run's iteration count when this process has done `actual` iterations (its step:
     this over `per_round`)."""
+    if len(self._pieces) == 1:  # no loss: the identity (the dispatcher asks every iteration)
+      return actual
     return math.floor(self._exact_nominal(actual))
 
   def actual(self, nominal: int) -> int:
     """This process's iterations for the run to count `nominal` (at least that; a whole
     number of rounds past a piece's start)."""
+    if len(self._pieces) == 1:
+      return nominal
     a0, m0, rate = self._piece(1, nominal)
     if rate == 1:
       return a0 + math.ceil(nominal - m0)
