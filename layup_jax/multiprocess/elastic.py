@@ -68,9 +68,8 @@ class Elastic:
     rt = self.rt
     if not rt.options.survivors_train_lost_share:
       return
-    live = set(range(jax.process_count())) - set(membership.members.lost)
-    rt.pace.set_rate(Fraction(rt.total_devices, len(self.devices_of(live))),
-                     rt.iterations_started(), None if step is None else step * rt.num_devices)
+    rt.pace.set_rate(Fraction(rt.total_devices, self._live_devices()), rt.iterations_started(),
+                     None if step is None else step * rt.num_devices)
 
   def _renormalise(self) -> None:
     """Once a process is lost, the survivors divide each stage's push-sum weights by the
@@ -82,10 +81,13 @@ class Elastic:
       self.rt.store.weights.rescale([1.0 / sum(column) for column in zip(*parts)])
     self._count_live_devices()
 
+  def _live_devices(self) -> int:
+    """How many of the run's devices are on processes not declared lost."""
+    return len(self.devices_of(set(range(jax.process_count())) - set(membership.members.lost)))
+
   def _count_live_devices(self) -> None:
     """A device's equal share of the push-sum weights is one over the live devices'."""
-    live = set(range(jax.process_count())) - set(membership.members.lost)
-    self.rt.store.weights.equal_share = 1.0 / len(self.devices_of(live))
+    self.rt.store.weights.equal_share = 1.0 / self._live_devices()
 
   def _admit(self, step: int) -> None:
     """Admits a lost process that was started again and asked to rejoin. The leader decides

@@ -368,8 +368,8 @@ class AsyncRuntime:
       if not held and should_stop():
         # No new iterations beyond the next whole step; those under way finish.
         target, held = self._budget.hold(self.num_devices), True
-      elif not held and self.pace.actual(iterations) != target:
-        target = self.pace.actual(iterations)
+      elif not held and (stretched := self.pace.actual(iterations)) != target:
+        target = stretched
         self._budget.grant(target)
     self.raise_if_failed()
     for i in range(self.num_devices):  # every task is idle: read the last flags
