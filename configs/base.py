@@ -120,6 +120,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_steps = 0  # training steps; 0 means num_epochs * steps per epoch
   config.num_epochs = 30  # used when num_steps is 0
   config.eval_every = 50  # steps between evaluations (plus one at the end); 0 for the end only
+  # > 0: before each evaluation the consensus model's BatchNorm statistics are recomputed from
+  # this many training batches of data.eval_batch_size, unaugmented (PreciseBN); 0 evaluates
+  # the running statistics training left. Evaluation only: checkpoints keep training's.
+  config.precise_bn_batches = 0
 
   # LayUp and the gossip baselines (GoSGD, AD-PSGD).
   config.layup = ml_collections.ConfigDict()

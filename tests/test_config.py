@@ -29,6 +29,7 @@ from layup_jax.runtime.options import CONFIG_KEYS, RuntimeOptions
     ("distributed.remote_peer_probability", 1.5,
      r"config.distributed.remote_peer_probability=1.5: must be in \[0, 1\], or -1"),
     ("distributed.max_remote_backlog", -1, r"config.distributed.max_remote_backlog=-1: must be >= 0"),
+    ("precise_bn_batches", -1, r"config.precise_bn_batches=-1: must be >= 0"),
     ("distributed.compression", "fp8",
      r"config.distributed.compression='fp8': must be one of \['none', 'bf16', 'int8'\]"),
 ])

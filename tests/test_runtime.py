@@ -432,6 +432,46 @@ def test_threaded_layup_lowers_the_test_loss_and_stops_cleanly():
   assert not _layup_threads_alive()
 
 
+def test_precise_bn_recomputes_the_evaluated_models_statistics_from_training_batches():
+  # The running averages move over the statistics batches exactly as training moves them
+  # (momentum 0.9, K batches): the evaluated statistics become the evaluated weights' on those
+  # inputs whatever training left, so a stale statistic no longer decides the accuracy.
+  train, test = digits.load_digits(0.2)
+  model = mlp_model()
+  params, state = model.init(jax.random.key(0), train.inputs[:8])
+  batch = train.inputs[:100]
+  stale = jax.tree.map(lambda a: a + 3.0, state)
+  evaluator = Evaluator(model, EvalSet(test, 360), jax.devices()[0], [batch] * 20)
+  fresh = evaluator.recompute_statistics(params, stale)
+  layer = params[0]["Dense_0"]
+  features = batch.reshape(len(batch), -1) @ layer["kernel"] + layer["bias"]
+  stats = fresh[0]["batch_stats"]["BatchNorm_0"]
+  kept = 0.9 ** 20
+  np.testing.assert_allclose(stats["mean"], kept * (state[0]["batch_stats"]["BatchNorm_0"][
+      "mean"] + 3.0) + (1 - kept) * features.mean(axis=0), rtol=1e-4, atol=1e-4)
+  assert Evaluator(model, EvalSet(test, 360), jax.devices()[0]).recompute_statistics(
+      params, stale) is stale  # without batches, training's statistics
+
+
+def test_precise_bn_batches_are_unaugmented_training_samples_of_one_fixed_shuffle():
+  from layup_jax.data.pipeline import ArraySplit
+  train = ArraySplit(np.arange(50, dtype=np.float32)[:, None], np.zeros(50, np.int32))
+  dataset = dataclasses.replace(_digits_dataset_stub(), train_split=train, num_train=50)
+  batches = dataset.statistics_inputs(3, 20, seed=1)
+  again = dataset.statistics_inputs(3, 20, seed=1)
+  assert [len(b) for b in batches] == [20, 20, 20]
+  np.testing.assert_array_equal(np.concatenate(batches), np.concatenate(again))
+  first_epoch = np.concatenate(batches)[:50, 0]
+  assert sorted(first_epoch) == list(range(50))  # every sample once before any twice
+  assert not np.array_equal(np.concatenate(dataset.statistics_inputs(3, 20, seed=2)),
+                            np.concatenate(batches))
+
+
+def _digits_dataset_stub():
+  from layup_jax.data import Dataset
+  return Dataset(train=[], test=None, example_batch=None, num_train=0, kind="classification")
+
+
 def _ddp_runtime(num_devices):
   from layup_jax.algorithms.ddp import DDPRuntime
   from layup_jax.data.pipeline import Batch, TrainIterator

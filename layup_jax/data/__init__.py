@@ -49,10 +49,21 @@ class Dataset:
   example_batch: Batch  # one training batch, for shapes at init and compilation
   num_train: int
   kind: str
+  train_split: Split | None = None  # the whole training split, for `statistics_inputs`
 
   @property
   def steps_per_epoch(self) -> int:
     return self.train[0].batches_per_epoch()
+
+  def statistics_inputs(self, num_batches: int, batch_size: int, seed: int) -> list[np.ndarray]:
+    """`num_batches` batches of training inputs, without augmentation, from one fixed shuffle
+    of the whole training split (`seed`): what `precise_bn_batches` recomputes the evaluated
+    model's BatchNorm statistics from."""
+    order = np.random.default_rng(seed).permutation(self.num_train)
+    batch_size = min(batch_size, self.num_train)
+    return [self.train_split.read(order[np.arange(k * batch_size, (k + 1) * batch_size)
+                                        % self.num_train], None).inputs
+            for k in range(num_batches)]
 
   def close(self) -> None:
     for iterator in self.train:
@@ -199,6 +210,7 @@ def make_dataset(config: ml_collections.ConfigDict, num_devices: int, seed: int)
       example_batch=example,
       num_train=len(train),
       kind=DATASETS[config.name].kind,
+      train_split=train,
   )
 
 

@@ -297,7 +297,9 @@ class Session:
     if not self.writer.files:
       self._take_the_lead(step)
     if self.evaluator is None:
-      self.evaluator = Evaluator(self.model, self.dataset.test, self.devices_here[0])
+      statistics = self.dataset.statistics_inputs(
+          self.config.precise_bn_batches, self.config.data.eval_batch_size, self.config.seed)
+      self.evaluator = Evaluator(self.model, self.dataset.test, self.devices_here[0], statistics)
     stats = self.runtime.stats
     train_loss, sums = stats.train_loss(), stats.weight_sums()
     common = {"step": step, "time_s": self.train_time, "weight_sum_min": min(sums),
