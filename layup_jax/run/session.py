@@ -290,10 +290,18 @@ class Session:
 
   def evaluate(self, step: int, write: bool = True) -> None:
     """Every process collects the run's statistics (a collective); the leader evaluates the
-    consensus model and writes the train row since the last one and the test row."""
+    consensus model and writes the train row since the last one and the test row.
+
+    Every process then waits for the leader's evaluation (a gather), so that no device trains
+    while it lasts: otherwise an asynchronous run's other processes would train on meanwhile,
+    outside the training time the leader records, and on cores the evaluation shares."""
     self.runtime.stats.collect()
-    if not self.primary:
-      return
+    if self.primary:
+      self._evaluate_here(step, write)
+    if jax.process_count() > 1:
+      gathers.all_gather_json(None)
+
+  def _evaluate_here(self, step: int, write: bool) -> None:
     if not self.writer.files:
       self._take_the_lead(step)
     if self.evaluator is None:
