@@ -118,10 +118,12 @@ def _kill_process_2_of_3x2(work, settings: dict, launch_flag: str, at_step: int,
 
 
 @pytest.mark.multiprocess
-def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_process(tmp_path):
+def test_ddp_across_two_processes_killed_and_resumed_takes_the_uninterrupted_runs_steps(tmp_path):
   """2 processes x 4 devices: process 1 is killed after the first checkpoint; the launcher
   stops the run within 30 s in one line naming it; the same command resumes; every loss the
-  run records equals the one-process 8-device run's."""
+  run records equals the uninterrupted two-process run's. (Against the one-process 8-device
+  run they agree to the order of a float sum only: its all-reduce adds in another order, and
+  on an AMD EPYC the test loss after 20 steps moved 1.5e-5 relative, 2026-12-04.)"""
   settings = {"algorithm": "ddp", "model.widths": "(4,8,8)", "num_steps": 20,
               "eval_every": 10, "checkpoint.every": 10, "progress_bar": False}
   two = tmp_path / "two"
@@ -137,14 +139,15 @@ def test_ddp_across_two_processes_killed_and_resumed_takes_the_steps_of_one_proc
   summary = json.loads((two / "summary.json").read_text())
   assert 10 <= summary["resumed_from_step"] < 20
 
-  config = base.get_config()
-  base.set_values(config, {**settings, "model.widths": (4, 8, 8)})
-  runner.run(config, tmp_path / "one")
-  resumed, one = _losses(two), _losses(tmp_path / "one")
-  assert [(s, k) for s, k, _ in resumed] == [(s, k) for s, k, _ in one]
-  assert len(one) == 5  # the evaluation at 0, then train and test records at 10 and 20
-  for (_, _, a), (_, _, b) in zip(resumed, one, strict=True):
-    assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+  whole = tmp_path / "whole"
+  done = subprocess.run(_launcher(whole, settings), cwd=ROOT, capture_output=True, text=True,
+                        timeout=420, check=False)
+  assert done.returncode == 0, _tail(done.stdout) + _tail(done.stderr)
+  resumed, uninterrupted = _losses(two), _losses(whole)
+  assert [(s, k) for s, k, _ in resumed] == [(s, k) for s, k, _ in uninterrupted]
+  assert len(uninterrupted) == 5  # the evaluation at 0, then train and test records at 10, 20
+  for (_, _, a), (_, _, b) in zip(resumed, uninterrupted, strict=True):
+    assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.multiprocess
