@@ -456,7 +456,7 @@ def test_precise_bn_recomputes_the_evaluated_models_statistics_from_training_bat
 def test_precise_bn_batches_are_unaugmented_training_samples_of_one_fixed_shuffle():
   from layup_jax.data.pipeline import ArraySplit
   train = ArraySplit(np.arange(50, dtype=np.float32)[:, None], np.zeros(50, np.int32))
-  dataset = dataclasses.replace(_digits_dataset_stub(), train_split=train, num_train=50)
+  dataset = dataclasses.replace(_empty_dataset(), train_split=train, num_train=50)
   batches = dataset.statistics_inputs(3, 20, seed=1)
   again = dataset.statistics_inputs(3, 20, seed=1)
   assert [len(b) for b in batches] == [20, 20, 20]
@@ -465,9 +465,10 @@ def test_precise_bn_batches_are_unaugmented_training_samples_of_one_fixed_shuffl
   assert sorted(first_epoch) == list(range(50))  # every sample once before any twice
   assert not np.array_equal(np.concatenate(dataset.statistics_inputs(3, 20, seed=2)),
                             np.concatenate(batches))
+  assert dataset.statistics_inputs(0, 20, seed=1) == []
 
 
-def _digits_dataset_stub():
+def _empty_dataset():
   from layup_jax.data import Dataset
   return Dataset(train=[], test=None, example_batch=None, num_train=0, kind="classification")
 

@@ -59,6 +59,8 @@ class Dataset:
     """`num_batches` batches of training inputs, without augmentation, from one fixed shuffle
     of the whole training split (`seed`): what `precise_bn_batches` recomputes the evaluated
     model's BatchNorm statistics from."""
+    if num_batches == 0:  # the default: no shuffle of the whole split at the first evaluation
+      return []
     order = np.random.default_rng(seed).permutation(self.num_train)
     batch_size = min(batch_size, self.num_train)
     return [self.train_split.read(order[np.arange(k * batch_size, (k + 1) * batch_size)
