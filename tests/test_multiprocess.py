@@ -42,6 +42,13 @@ def _launcher(workdir, settings: dict, processes=2, devices_per_process=None) ->
           "--config", "configs/digits.py", "--workdir", str(workdir), *_overrides(settings)]
 
 
+def _launch_to_the_end(workdir, settings: dict, timeout: float = 600) -> None:
+  """Two processes of the digits run in `workdir`, to their end; the run must succeed."""
+  done = subprocess.run(_launcher(workdir, settings), cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout, check=False)
+  assert done.returncode == 0, _tail(done.stdout) + _tail(done.stderr)
+
+
 def _losses(workdir) -> list[tuple[int, str, float]]:
   return [(r["step"], r["split"], r["loss"]) for r in read_metrics(workdir)]
 
@@ -140,9 +147,7 @@ def test_ddp_across_two_processes_killed_and_resumed_takes_the_uninterrupted_run
   assert 10 <= summary["resumed_from_step"] < 20
 
   whole = tmp_path / "whole"
-  done = subprocess.run(_launcher(whole, settings), cwd=ROOT, capture_output=True, text=True,
-                        timeout=420, check=False)
-  assert done.returncode == 0, _tail(done.stdout) + _tail(done.stderr)
+  _launch_to_the_end(whole, settings, timeout=420)
   resumed, uninterrupted = _losses(two), _losses(whole)
   assert [(s, k) for s, k, _ in resumed] == [(s, k) for s, k, _ in uninterrupted]
   assert len(uninterrupted) == 5  # the evaluation at 0, then train and test records at 10, 20
@@ -238,9 +243,7 @@ def test_local_sgd_across_two_processes_averages_as_one_process(tmp_path):
               "eval_every": 10, "baselines.tau": 5, "baselines.out_freq": 10,
               "checkpoint.enabled": False, "progress_bar": False}
   two = tmp_path / "two"
-  done = subprocess.run(_launcher(two, settings), cwd=ROOT, capture_output=True, text=True,
-                        timeout=600, check=False)
-  assert done.returncode == 0, _tail(done.stdout) + _tail(done.stderr)
+  _launch_to_the_end(two, settings)
   config = base.get_config()
   base.set_values(config, {**settings, "model.widths": (4, 8, 8)})
   runner.run(config, tmp_path / "one")
@@ -271,9 +274,7 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
   checkpoint = whole / "checkpoints" / "10"
   resumed = {"two": tmp_path / "two", "one": tmp_path / "one"}
   for workdir, extra in [(whole, {}), (resumed["two"], {"restore": checkpoint})]:
-    done = subprocess.run(_launcher(workdir, {**settings, **extra}), cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, _tail(done.stdout) + _tail(done.stderr)
+    _launch_to_the_end(workdir, {**settings, **extra})
   config = base.get_config()
   base.set_values(config, {**settings, "model.widths": (4, 8, 8), "restore": str(checkpoint)})
   runner.run(config, resumed["one"])
