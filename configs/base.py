@@ -122,7 +122,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every = 50  # steps between evaluations (plus one at the end); 0 for the end only
   # > 0: before each evaluation the consensus model's BatchNorm statistics are recomputed from
   # this many training batches of data.eval_batch_size, unaugmented (PreciseBN); 0 evaluates
-  # the running statistics training left. Evaluation only: checkpoints keep training's.
+  # the running statistics training left (with > 0 the test rows also carry that measure, as
+  # running_statistics_accuracy). Evaluation only: checkpoints keep training's.
   config.precise_bn_batches = 0
 
   # LayUp and the gossip baselines (GoSGD, AD-PSGD).

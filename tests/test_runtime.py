@@ -453,6 +453,26 @@ def test_precise_bn_recomputes_the_evaluated_models_statistics_from_training_bat
       params, stale) is stale  # without batches, training's statistics
 
 
+def test_precise_bn_also_reports_the_running_statistics_accuracy_of_the_same_weights():
+  # One run gives both measures: the recomputed statistics' and the training-left statistics'
+  # (what a run without precise_bn_batches reports), of the same consensus weights.
+  runtime = make_layup_runtime(8, learning_rate=0.05)
+  train, test = digits.load_digits(0.2)
+  runtime.compile()
+  runtime.run_until(8 * 5, lambda _: None)
+  snapshot = runtime.stats.snapshot()
+  model = mlp_model()
+  plain = Evaluator(model, EvalSet(test, 360), jax.devices()[0]).evaluate(snapshot)
+  precise = Evaluator(model, EvalSet(test, 360), jax.devices()[0],
+                      [train.inputs[:100]] * 20).evaluate(snapshot)
+  runtime.close()
+  assert "running_statistics_accuracy" not in plain
+  assert precise["running_statistics_accuracy"] == plain["accuracy"]
+  assert precise["running_statistics_loss"] == pytest.approx(plain["loss"], rel=1e-6)
+  assert precise["loss"] != pytest.approx(plain["loss"], rel=1e-3)  # recomputed: other statistics
+  assert precise["device0_loss"] == pytest.approx(plain["device0_loss"], rel=1e-6)
+
+
 def test_precise_bn_batches_are_unaugmented_training_samples_of_one_fixed_shuffle():
   from layup_jax.data.pipeline import ArraySplit
   train = ArraySplit(np.arange(50, dtype=np.float32)[:, None], np.zeros(50, np.int32))

@@ -29,6 +29,9 @@ class Evaluator:
   the last ~10 batches of one device (a few hundred samples) at weights that moved since, so
   at a high learning rate the evaluated model's statistics, not its weights, decide much of its
   accuracy (PreciseBN, Wu & Johnson 2021). Device 0's own model keeps its running statistics.
+  The consensus is then also evaluated with the statistics training left
+  (`running_statistics_loss`, `running_statistics_accuracy`): one run gives both measures of the
+  same weights, the recomputed one and the one every run without `precise_bn_batches` reports.
   """
 
   def __init__(self, model: StagedModel, test: Iterable[EvalBatch], device: jax.Device,
@@ -85,12 +88,18 @@ class Evaluator:
           (np.asarray(snapshot.weights, np.float32),
            np.asarray(snapshot.state_weights, np.float32)), self._device)
       center, center_state, distance = self._consensus(params, state, weights, state_weights)
+    running = {}
+    if self._statistics_inputs and jax.tree.leaves(center_state):
+      running_loss, running_accuracy = self._loss_and_accuracy(center, center_state)
+      running = {"running_statistics_loss": running_loss,
+                 "running_statistics_accuracy": running_accuracy}
     center_state = self.recompute_statistics(center, center_state)
     loss, accuracy = self._loss_and_accuracy(center, center_state)
     device0_loss, device0_accuracy = self._loss_and_accuracy(params[0], state[0])
     return {
         "loss": loss,
         "accuracy": accuracy,
+        **running,
         "device0_loss": device0_loss,
         "device0_accuracy": device0_accuracy,
         "consensus_distance": float(distance),
