@@ -20,8 +20,8 @@ counted between processes per device-iteration (layup_jax/multiprocess/traffic.p
 sends as made, a collective's bandwidth-optimal share) and the bytes the hosts' links carried per
 device-iteration (the interfaces' counters: everything, collectives as gloo runs them, the
 coordination service, evaluation's gathers), and the median send latency between processes.
-Each run's row in the JSON also keeps device 0's own final accuracy and the replicas' final
-consensus distance.
+Each run's row in the JSON also keeps device 0's own final accuracy, the replicas' final
+consensus distance and the run's test curve (step, training time, accuracy).
 
   sudo python scripts/bench_cluster.py --algorithms layup \\
       --variant "backlog8 distributed.max_remote_backlog=8" --rates 20mbit
@@ -140,7 +140,18 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
               summary.get("bytes_between_processes_per_device_iteration"),
           "link_bytes_per_iteration": sum(h["tx_bytes"] for h in links["links"]) / iterations,
           "send_latency_ms": remote.get("median"), "send_latency_p90_ms": remote.get("p90"),
-          "host_allocator": summary.get("host_allocator")}  # process 0's (each chooses alike)
+          "host_allocator": summary.get("host_allocator"),  # process 0's (each chooses alike)
+          "test_curve": test_curve(os.path.join(workdir, "metrics.jsonl"))}
+
+
+def test_curve(metrics_path: str) -> list[dict]:
+  """The run's test rows (step, training time, accuracy; with `precise_bn_batches` also the
+  running statistics' accuracy): where a target was crossed, readable after the run's
+  temporary directory is gone."""
+  keys = ("step", "time_s", "accuracy", "running_statistics_accuracy")
+  with open(metrics_path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [{k: row[k] for k in keys if k in row} for row in rows if row.get("split") == "test"]
 
 
 def main_hosts(argv: list[str]) -> None:

@@ -299,8 +299,8 @@ def test_the_several_hosts_section_renders_the_cluster_runs_and_decides_its_clai
 def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
   """bench_cluster's row of one run: from the drill's summary.json and link counters, device
   0's own accuracy and the consensus distance beside the average's accuracy (to tell an
-  average short of DDP's from every replica short of it), bytes per device-iteration; a drill
-  that fails is a row saying so, with its last line."""
+  average short of DDP's from every replica short of it), bytes per device-iteration, the test
+  curve; a drill that fails is a row saying so, with its last line."""
   import argparse
   import subprocess
 
@@ -316,6 +316,11 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
         "remote_send_latency_ms": {"median": 20.0, "p90": 50.0}}))
     (tmp_path / "links.json").write_text(json.dumps(
         {"links": [{"tx_bytes": 4000}, {"tx_bytes": 4000}]}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"step": 0, "time_s": 0.0, "split": "test", "accuracy": 0.1, "loss": 2.3},
+        {"step": 10, "time_s": 4.0, "split": "train", "loss": 0.5, "samples_per_s": 640.0},
+        {"step": 10, "time_s": 4.0, "split": "test", "accuracy": 0.9, "loss": 0.3,
+         "running_statistics_accuracy": 0.8}]) + "\n")
     return subprocess.CompletedProcess(command, status, "", "" if not status else "x\nboom")
 
   bench.run_drill = drill
@@ -335,6 +340,11 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
       0.9, 0.85, 2e-3)
   assert row["link_bytes_per_iteration"] == 100.0  # 8,000 bytes over 10 steps x 8 devices
   assert (row["send_latency_ms"], row["counted_bytes_per_iteration"]) == (20.0, 1000.0)
+  # The test curve survives the run's temporary directory: where a target was crossed, under
+  # either statistics.
+  assert row["test_curve"] == [
+      {"step": 0, "time_s": 0.0, "accuracy": 0.1},
+      {"step": 10, "time_s": 4.0, "accuracy": 0.9, "running_statistics_accuracy": 0.8}]
   bench.run_drill = lambda command: drill(command, status=1)
   args.cpus_per_host = 0  # every process on every CPU: the drill's default
   row = bench.run("2x4", "unshaped", "ddp", [], 0, args, str(tmp_path))
