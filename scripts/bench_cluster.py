@@ -21,7 +21,7 @@ sends as made, a collective's bandwidth-optimal share) and the bytes the hosts' 
 device-iteration (the interfaces' counters: everything, collectives as gloo runs them, the
 coordination service, evaluation's gathers), and the median send latency between processes.
 Each run's row in the JSON also keeps device 0's own final accuracy, the replicas' final
-consensus distance and the run's test curve (step, training time, accuracy).
+consensus distance and the run's test curve (step, training time, accuracy, distance).
 
   sudo python scripts/bench_cluster.py --algorithms layup \\
       --variant "backlog8 distributed.max_remote_backlog=8" --rates 20mbit
@@ -145,10 +145,10 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
 
 
 def test_curve(metrics_path: str) -> list[dict]:
-  """The run's test rows (step, training time, accuracy; with `precise_bn_batches` also the
-  running statistics' accuracy): where a target was crossed, readable after the run's
-  temporary directory is gone."""
-  keys = ("step", "time_s", "accuracy", "running_statistics_accuracy")
+  """The run's test rows (step, training time, accuracy, the replicas' consensus distance; with
+  `precise_bn_batches` also the running statistics' accuracy): where a target was crossed,
+  readable after the run's temporary directory is gone."""
+  keys = ("step", "time_s", "accuracy", "running_statistics_accuracy", "consensus_distance")
   with open(metrics_path) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   return [{k: row[k] for k in keys if k in row} for row in rows if row.get("split") == "test"]

@@ -320,7 +320,7 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
         {"step": 0, "time_s": 0.0, "split": "test", "accuracy": 0.1, "loss": 2.3},
         {"step": 10, "time_s": 4.0, "split": "train", "loss": 0.5, "samples_per_s": 640.0},
         {"step": 10, "time_s": 4.0, "split": "test", "accuracy": 0.9, "loss": 0.3,
-         "running_statistics_accuracy": 0.8}]) + "\n")
+         "running_statistics_accuracy": 0.8, "consensus_distance": 1e-4}]) + "\n")
     return subprocess.CompletedProcess(command, status, "", "" if not status else "x\nboom")
 
   bench.run_drill = drill
@@ -344,7 +344,8 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
   # either statistics.
   assert row["test_curve"] == [
       {"step": 0, "time_s": 0.0, "accuracy": 0.1},
-      {"step": 10, "time_s": 4.0, "accuracy": 0.9, "running_statistics_accuracy": 0.8}]
+      {"step": 10, "time_s": 4.0, "accuracy": 0.9, "running_statistics_accuracy": 0.8,
+       "consensus_distance": 1e-4}]
   bench.run_drill = lambda command: drill(command, status=1)
   args.cpus_per_host = 0  # every process on every CPU: the drill's default
   row = bench.run("2x4", "unshaped", "ddp", [], 0, args, str(tmp_path))
