@@ -141,10 +141,10 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
           "link_bytes_per_iteration": sum(h["tx_bytes"] for h in links["links"]) / iterations,
           "send_latency_ms": remote.get("median"), "send_latency_p90_ms": remote.get("p90"),
           "host_allocator": summary.get("host_allocator"),  # process 0's (each chooses alike)
-          "test_curve": test_curve(os.path.join(workdir, "metrics.jsonl"))}
+          "test_curve": evaluation_curve(os.path.join(workdir, "metrics.jsonl"))}
 
 
-def test_curve(metrics_path: str) -> list[dict]:
+def evaluation_curve(metrics_path: str) -> list[dict]:
   """The run's test rows (step, training time, accuracy, the replicas' consensus distance; with
   `precise_bn_batches` also the running statistics' accuracy): where a target was crossed,
   readable after the run's temporary directory is gone."""
