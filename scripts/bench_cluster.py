@@ -72,6 +72,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from layup_jax.measure import provenance
+from layup_jax.run.records import read_metrics
 
 MODES = ("hosts", "processes")
 
@@ -141,17 +142,16 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
           "link_bytes_per_iteration": sum(h["tx_bytes"] for h in links["links"]) / iterations,
           "send_latency_ms": remote.get("median"), "send_latency_p90_ms": remote.get("p90"),
           "host_allocator": summary.get("host_allocator"),  # process 0's (each chooses alike)
-          "test_curve": evaluation_curve(os.path.join(workdir, "metrics.jsonl"))}
+          "test_curve": evaluation_curve(workdir)}
 
 
-def evaluation_curve(metrics_path: str) -> list[dict]:
+def evaluation_curve(workdir: str) -> list[dict]:
   """The run's test rows (step, training time, accuracy, the replicas' consensus distance; with
   `precise_bn_batches` also the running statistics' accuracy): where a target was crossed,
   readable after the run's temporary directory is gone."""
   keys = ("step", "time_s", "accuracy", "running_statistics_accuracy", "consensus_distance")
-  with open(metrics_path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  return [{k: row[k] for k in keys if k in row} for row in rows if row.get("split") == "test"]
+  return [{k: row[k] for k in keys if k in row} for row in read_metrics(workdir)
+          if row.get("split") == "test"]
 
 
 def main_hosts(argv: list[str]) -> None:

@@ -88,13 +88,13 @@ class Evaluator:
           (np.asarray(snapshot.weights, np.float32),
            np.asarray(snapshot.state_weights, np.float32)), self._device)
       center, center_state, distance = self._consensus(params, state, weights, state_weights)
+    recomputed = self.recompute_statistics(center, center_state)
+    loss, accuracy = self._loss_and_accuracy(center, recomputed)
     running = {}
-    if self._statistics_inputs and jax.tree.leaves(center_state):
+    if recomputed is not center_state:  # training's statistics, beside the recomputed ones
       running_loss, running_accuracy = self._loss_and_accuracy(center, center_state)
       running = {"running_statistics_loss": running_loss,
                  "running_statistics_accuracy": running_accuracy}
-    center_state = self.recompute_statistics(center, center_state)
-    loss, accuracy = self._loss_and_accuracy(center, center_state)
     device0_loss, device0_accuracy = self._loss_and_accuracy(params[0], state[0])
     return {
         "loss": loss,
