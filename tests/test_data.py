@@ -83,3 +83,12 @@ def test_the_eval_set_pads_and_masks_the_last_batch_and_can_be_read_again():
     np.testing.assert_array_equal(np.concatenate([b.targets for b in batches])[:359],
                                   test.targets)
   assert len(list(EvalSet(test, 128, max_batches=2))) == 2
+
+
+def test_a_limited_eval_set_reads_samples_spread_over_the_whole_split():
+  split = ArraySplit(np.arange(1000)[:, None], np.arange(1000))
+  batches = list(EvalSet(split, 10, max_batches=4))
+  seen = np.concatenate([b.targets for b in batches])
+  assert len(seen) == 40 and len(set(seen.tolist())) == 40
+  assert seen.min() == 0 and seen.max() >= 975  # the first batches alone would end at 39
+  np.testing.assert_array_equal(np.diff(seen), 25)

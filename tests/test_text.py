@@ -52,18 +52,42 @@ def test_packed_windows_are_consecutive_and_targets_are_the_next_tokens():
     text.PackedWindows(np.arange(8), seq_len=8)
 
 
+def _documents(folder, names):
+  for name in names:
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"<{name}> " * 20)
+
+
 def test_text_files_hold_out_whole_files_and_the_stream_is_cached(tmp_path):
-  for i in range(10):
-    (tmp_path / f"f{i}.txt").write_text(f"file {i} " * 20)
+  names = [f"f{i}.txt" for i in range(10)]
+  _documents(tmp_path / "corpus", names)
   cache = tmp_path / "cache"
-  train, test = text.file_streams(str(tmp_path), "*.txt", text.ByteTokenizer(), 0.2, str(cache))
   tokenizer = text.ByteTokenizer()
-  assert tokenizer.decode(test).startswith("file 8 ") and "file 7" not in tokenizer.decode(test)
-  assert "file 8" not in tokenizer.decode(train) and len(list(cache.glob("*.npy"))) == 2
-  again, _ = text.file_streams(str(tmp_path), "*.txt", tokenizer, 0.2, str(cache))
+  train, test = text.file_streams(str(tmp_path / "corpus"), "*.txt", tokenizer, 0.2, str(cache))
+  held = [n for n in names if f"<{n}>" in tokenizer.decode(test)]
+  assert len(held) == 2 and not any(f"<{n}>" in tokenizer.decode(train) for n in held)
+  assert all(f"<{n}>" in tokenizer.decode(train) for n in names if n not in held)
+  assert len(list(cache.glob("*.npy"))) == 2
+  again, _ = text.file_streams(str(tmp_path / "corpus"), "*.txt", tokenizer, 0.2, str(cache))
   assert isinstance(again, np.memmap) and np.array_equal(again, train)
   with pytest.raises(DataError, match=r"no files match '\*.md'"):
-    text.file_streams(str(tmp_path), "*.md", tokenizer, 0.2, "")
+    text.file_streams(str(tmp_path / "corpus"), "*.md", tokenizer, 0.2, "")
+
+
+def test_the_held_out_files_are_drawn_by_path_from_every_folder_and_excludes_are_left_out(
+    tmp_path):
+  names = [f"{folder}/m{i}.py" for folder in "abcdefgh" for i in range(10)]
+  _documents(tmp_path / "one", names + ["site-packages/pkg/x.py"])
+  _documents(tmp_path / "two", names)  # the same files elsewhere: the same split
+  tokenizer = text.ByteTokenizer()
+  splits = [text.file_streams(str(tmp_path / where), "**/*.py", tokenizer, 0.25, "",
+                              exclude=("site-packages/*",)) for where in ("one", "two")]
+  np.testing.assert_array_equal(splits[0][1], splits[1][1])
+  decoded = tokenizer.decode(splits[0][1])
+  held = [n for n in names if f"<{n}>" in decoded]
+  assert len(held) == 20 and len({n[0] for n in held}) >= 6  # not the last folders alone
+  assert "site-packages" not in tokenizer.decode(splits[0][0]) + decoded
 
 
 def test_gpt2_tokenizer_comes_from_the_package_files_with_tiktokens_pinned_hashes():

@@ -10,7 +10,7 @@
 | `lm1b`, `tiny_shakespeare` | TFDS | train / test | `seq_len` tokens, next tokens |
 | `wikitext103` | TFDS `huggingface:wikitext/wikitext-103-raw-v1` | train / test | same |
 | `minipile` | TFDS `huggingface:jeankaddour__minipile` | train / test | same |
-| `text_files` | files under `text_dir` matching `text_glob` | last `test_fraction` of files | same |
+| `text_files` | files under `text_dir` matching `text_glob` (less `text_exclude`) | `test_fraction` of the files, by a hash of their paths | same |
 
 Imports `errors` only (and the libraries that read data): every other package may import it.
 """
@@ -136,7 +136,8 @@ def _text_files(config):
     raise DataError("data.name='text_files' needs data.text_dir, a folder of text files")
   tokenizer = text.make_tokenizer(config.tokenizer)
   train, test = text.file_streams(config.text_dir, config.text_glob, tokenizer,
-                                  config.test_fraction, config.token_cache_dir)
+                                  config.test_fraction, config.token_cache_dir,
+                                  tuple(config.get("text_exclude", ())))
   return (text.PackedWindows(train, config.seq_len, f"the train files of {config.text_dir}"),
           text.PackedWindows(test, config.seq_len, f"the test files of {config.text_dir}"))
 

@@ -136,8 +136,7 @@ class TrainIterator(Iterator[Batch]):
     return int(self.get_state()["next_index"])
 
 
-def _eval_batch(split: Split, start: int, batch_size: int) -> EvalBatch:
-  indices = np.arange(start, min(start + batch_size, len(split)))
+def _eval_batch(split: Split, indices: np.ndarray, batch_size: int) -> EvalBatch:
   batch = split.read(indices, None)
   pad = batch_size - len(indices)
   mask = np.concatenate([np.ones(len(indices), np.float32), np.zeros(pad, np.float32)])
@@ -146,7 +145,9 @@ def _eval_batch(split: Split, start: int, batch_size: int) -> EvalBatch:
 
 
 class EvalSet:
-  """The whole test split in order (or its first `max_batches` batches), re-read each pass.
+  """The whole test split in order, or `max_batches` batches of samples spread evenly over it,
+  re-read each pass: a language model's test stream in order is a few documents per batch, so
+  the first batches alone would measure the first documents only.
 
   Batches are read ahead on background threads; the last one is padded to full size and masked,
   so every batch has one shape and evaluation compiles once.
@@ -156,8 +157,11 @@ class EvalSet:
                prefetch: int = 2):
     self.split, self.batch_size = split, min(batch_size, len(split))
     self.num_batches = -(-len(split) // self.batch_size)
-    if max_batches:
-      self.num_batches = min(self.num_batches, max_batches)
+    self.indices = np.arange(len(split))
+    if max_batches and max_batches < self.num_batches:
+      self.num_batches = max_batches
+      self.indices = np.linspace(0, len(split), max_batches * self.batch_size, endpoint=False,
+                                 dtype=np.int64)
     self._read_options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
 
   def __len__(self) -> int:
@@ -165,7 +169,8 @@ class EvalSet:
 
   def __iter__(self) -> Iterator[EvalBatch]:
     starts = grain.MapDataset.range(0, self.num_batches * self.batch_size, self.batch_size)
-    batches = starts.map(lambda start: _eval_batch(self.split, int(start), self.batch_size))
+    batches = starts.map(lambda start: _eval_batch(
+        self.split, self.indices[int(start):int(start) + self.batch_size], self.batch_size))
     return iter(batches.to_iter_dataset(self._read_options))
 
 

@@ -9,6 +9,7 @@ the end-of-document token, concatenated into one stream; sample k is the window
 padding. Tokenized streams are cached as `.npy` files and memory-mapped.
 """
 
+import fnmatch
 import hashlib
 import pathlib
 from collections.abc import Iterable, Sequence
@@ -154,31 +155,45 @@ def record_stream(records: RecordSource, field: str, tokenizer, cache_dir: str) 
                                                  f"tokenizing {records.description}"), cache_dir)
 
 
-def text_files(directory: str, pattern: str) -> list[pathlib.Path]:
+def text_files(directory: str, pattern: str, exclude: Sequence[str] = ()) -> list[pathlib.Path]:
+  """The files under `directory` matching `pattern`, less those whose path relative to it
+  matches one of `exclude` (fnmatch patterns, `*` crossing folders: "site-packages/*")."""
   root = pathlib.Path(directory).expanduser()
-  files = sorted(p for p in root.glob(pattern) if p.is_file())
+  files = sorted(p for p in root.glob(pattern) if p.is_file() and not any(
+      fnmatch.fnmatch(p.relative_to(root).as_posix(), e) for e in exclude))
   if not files:
-    raise DataError(f"no files match {pattern!r} under {root} (data.text_dir, data.text_glob)")
+    raise DataError(f"no files match {pattern!r} under {root} (data.text_dir, data.text_glob"
+                    + (", data.text_exclude)" if exclude else ")"))
   return files
 
 
+def held_out(paths: Sequence[pathlib.Path], root: pathlib.Path, fraction: float) -> set:
+  """The `fraction` of `paths` (at least one) whose relative paths hash lowest: a test split by
+  document, the same on every machine that has the same files, and drawn from every folder
+  (the last files in sorted order would be a few packages' alone)."""
+  def rank(path):
+    return hashlib.sha1(path.relative_to(root).as_posix().encode()).hexdigest()
+  return set(sorted(paths, key=rank)[:max(1, round(fraction * len(paths)))])
+
+
 def file_streams(directory: str, pattern: str, tokenizer, test_fraction: float,
-                 cache_dir: str) -> tuple[np.ndarray, np.ndarray]:
-  """Train and test streams of a folder of text files: the last `test_fraction` of the files
-  (in sorted order, at least one) is the test split, so no document is in both."""
-  files = text_files(directory, pattern)
+                 cache_dir: str, exclude: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
+  """Train and test streams of a folder of text files: `held_out` picks the test files, so no
+  document is in both; each stream keeps its files in sorted order."""
+  files = text_files(directory, pattern, exclude)
   if len(files) < 2:
     raise DataError(f"need at least 2 files under {directory} matching {pattern!r} for a train "
                     f"and a test split, found {len(files)}")
-  num_test = max(1, round(test_fraction * len(files)))
+  test_files = held_out(files, pathlib.Path(directory).expanduser(), test_fraction)
   stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
   def read(paths):
     return (p.read_text(encoding="utf-8", errors="replace") for p in paths)
 
   streams = []
-  for name, paths in (("train", files[:-num_test]), ("test", files[-num_test:])):
-    key = f"{fingerprint(stats, num_test, name)}-{tokenizer.name}"
+  for name, paths in (("train", [p for p in files if p not in test_files]),
+                      ("test", [p for p in files if p in test_files])):
+    key = f"{fingerprint(stats, len(test_files), name, 'hashed')}-{tokenizer.name}"
     streams.append(cached_stream(
         key, lambda paths=paths: token_stream(read(paths), tokenizer, len(paths),
                                               f"tokenizing {len(paths)} files"), cache_dir))
