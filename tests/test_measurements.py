@@ -2,6 +2,7 @@
 per-stage update latency."""
 
 import functools
+import math
 
 import jax
 import numpy as np
@@ -41,6 +42,20 @@ def test_time_to_target_and_to_convergence_take_the_first_evaluation_that_reache
   assert summary["time_to_target_s"] == 2.5 and summary["target_step"] == 20
   lm = measurements.run_measurements(RECORDS, language_model=True, target=5.0, steps_per_epoch=5)
   assert lm["best_eval_perplexity"] == 9.0 and lm["time_to_target_s"] is None
+
+
+def test_a_loss_target_is_met_from_above_and_reports_the_samples_and_tokens_trained_to_it():
+  records = [{**r, "loss": math.log(r["perplexity"])} for r in RECORDS if "perplexity" in r]
+  lm = measurements.run_measurements(records, language_model=True, target=math.log(10.0),
+                                     target_key="loss", steps_per_epoch=5,
+                                     samples_per_step=8 * 16, tokens_per_sample=128)
+  assert lm["target_loss"] == math.log(10.0) and lm["best_eval_perplexity"] == 9.0
+  assert (lm["time_to_target_s"], lm["target_step"]) == (2.5, 20)
+  assert lm["samples_to_target"] == 20 * 128 and lm["tokens_to_target"] == 20 * 128 * 128
+  missed = measurements.run_measurements(records, language_model=True, target=2.0,
+                                         target_key="loss", steps_per_epoch=5,
+                                         samples_per_step=128, tokens_per_sample=128)
+  assert missed["time_to_target_s"] is None and missed["tokens_to_target"] is None
 
 
 def test_staged_flops_equal_the_fused_step_flops():

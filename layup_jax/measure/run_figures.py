@@ -1,7 +1,8 @@
 """The paper's run-level measurements, computed from a run's evaluation records (pure functions).
 
 Time to target (TTA): the training time (`time_s`, evaluation excluded) of the first evaluation
-that reaches the target (accuracy at least, or perplexity at most, the target). Time to
+that reaches the target (accuracy at least, or loss or perplexity at most, the target), and the
+samples (a language model: tokens) trained by then. Time to
 convergence (TTC): the training time of the first evaluation that reaches the best value the
 run ever reaches (the paper's "convergence accuracy"). Both are resolved to the evaluation
 interval (`eval_every`).
@@ -41,8 +42,12 @@ def convergence(records: Sequence[Record], key: str = "accuracy",
 
 
 def run_measurements(records: Sequence[Record], *, language_model: bool, target: float,
-                     steps_per_epoch: int) -> Record:
-  """Summary fields: convergence value, TTC and its epoch; TTA and its epoch when `target`."""
+                     steps_per_epoch: int, target_key: str | None = None,
+                     samples_per_step: int = 0, tokens_per_sample: int = 0) -> Record:
+  """Summary fields: convergence value (perplexity for a language model, else accuracy), TTC
+  and its epoch; with `target`, TTA on `target_key` (lower is better for "loss" and
+  "perplexity"; default: the convergence key), its step, epoch and the samples (tokens, for a
+  language model) trained to it."""
   key, higher = ("perplexity", False) if language_model else ("accuracy", True)
   tests = [r for r in records if r.get("split") == "test"]
   summary: Record = {}
@@ -52,11 +57,18 @@ def run_measurements(records: Sequence[Record], *, language_model: bool, target:
                     "convergence_step": best["step"],
                     "convergence_epoch": best["step"] / steps_per_epoch})
   if target:
-    reached = time_to_target(tests, target, key, higher)
-    summary.update({f"target_{key}": target,
+    target_key = target_key or key
+    reached = time_to_target(tests, target, target_key, target_key == "accuracy")
+    step = reached["step"] if reached else None
+    summary.update({f"target_{target_key}": target,
                     "time_to_target_s": reached["time_s"] if reached else None,
-                    "target_step": reached["step"] if reached else None,
-                    "target_epoch": reached["step"] / steps_per_epoch if reached else None})
+                    "target_step": step,
+                    "target_epoch": step / steps_per_epoch if reached else None})
+    if samples_per_step:
+      summary["samples_to_target"] = step * samples_per_step if reached else None
+      if tokens_per_sample:
+        summary["tokens_to_target"] = step * samples_per_step * tokens_per_sample \
+            if reached else None
   return summary
 
 

@@ -244,8 +244,11 @@ class Session:
     return reached
 
   def _target(self) -> tuple[str, float, bool]:
-    """(metric, `metrics.target_*` value, whether higher is better) of this run's task."""
+    """(metric, `metrics.target_*` value, whether higher is better) of this run: the test loss
+    where `metrics.target_loss` is set, else the task's own (perplexity or accuracy)."""
     metrics = self.config.metrics
+    if metrics.get("target_loss", 0.0):
+      return "loss", metrics.target_loss, False
     if self.dataset.kind == "language_model":
       return "perplexity", metrics.target_perplexity, False
     return "accuracy", metrics.target_accuracy, True
@@ -426,8 +429,10 @@ class Session:
         **self.throughput(),
         **measurements.run_measurements(
             self.writer.records, language_model=language_model,
-            target=self._target()[1],
-            steps_per_epoch=self.dataset.steps_per_epoch),
+            target=self._target()[1], target_key=self._target()[0],
+            steps_per_epoch=self.dataset.steps_per_epoch,
+            samples_per_step=config.num_devices * config.data.batch_size,
+            tokens_per_sample=config.data.seq_len if language_model else 0),
         "resumed_from_step": self.start_step,
         "stopped_at_target": self.stopped_at_target,
         "straggler_device": config.straggler.device,

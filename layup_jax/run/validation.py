@@ -122,7 +122,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("model.num_classes", 1), ("model.vocab_size", 1), ("model.vocab_multiple", 0), ("model.max_len", 1),
       ("model.hidden_size", 1), ("model.num_layers", 1), ("model.dropout", 0),
       ("checkpoint.every", 0), ("checkpoint.keep", 1), ("layup.max_update_scale", 1), ("metrics.target_accuracy", 0),
-      ("metrics.target_perplexity", 0), ("metrics.latency_every", 0),
+      ("metrics.target_perplexity", 0), ("metrics.target_loss", 0), ("metrics.latency_every", 0),
       ("metrics.progress_every_s", 0),
       ("tuning.max_sends_in_flight", 0), ("model.stages_per_group", 1),
       ("distributed.max_remote_backlog", 0),
@@ -151,9 +151,10 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
            f"baselines.tau={config.baselines.tau}")
   metrics = config.metrics
   _require(not metrics.get("stop_at_target", False)
-           or (metrics.target_accuracy > 0 or metrics.target_perplexity > 0),
+           or max(metrics.target_accuracy, metrics.target_perplexity, metrics.target_loss) > 0,
            "metrics.stop_at_target", True,
-           "needs a target: set metrics.target_accuracy (or metrics.target_perplexity)")
+           "needs a target: set metrics.target_accuracy, metrics.target_loss or "
+           "metrics.target_perplexity")
   _require(config.optimizer.momentum < 1, "optimizer.momentum", config.optimizer.momentum,
            "must be < 1")
   _require(config.optimizer.warmup_fraction < 1, "optimizer.warmup_fraction",
