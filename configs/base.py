@@ -78,7 +78,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict()
   config.data.name = "digits"  # a name in layup_jax.data.names() (table in layup_jax/data)
   config.data.batch_size = 16  # samples per device per iteration (DDP's global batch is M times it)
-  config.data.test_fraction = 0.2  # digits, text_files: share held out as the fixed test split
+  # digits, text_files: share held out as the fixed test split (text_files: whole files, chosen
+  # by a hash of their paths).
+  config.data.test_fraction = 0.2
   # TFDS data dir with prepared datasets ("" = $TFDS_DATA_DIR or ~/tensorflow_datasets);
   # fashion_mnist: the folder of its idx files ("" = Debian's /usr/share/datasets/fashion-mnist).
   config.data.data_dir = ""
@@ -93,11 +95,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.tokenizer = ""
   config.data.text_dir = ""  # text_files: folder of text files
   config.data.text_glob = "**/*.txt"  # text_files: which files under text_dir
+  # text_files: files left out, as patterns of their paths relative to text_dir ("*" crosses
+  # folders: "site-packages/*").
+  config.data.text_exclude = ()
   config.data.token_cache_dir = "~/.cache/layup_jax/tokens"  # tokenized corpora; "" = no cache
   config.data.read_threads = 2  # host threads per device reading and augmenting batches
   config.data.prefetch = 4  # batches per device read ahead of the compute thread
   config.data.eval_batch_size = 256  # samples per evaluation batch
-  config.data.max_eval_batches = 0  # evaluate on the first N test batches; 0 = the whole split
+  # Evaluate on N batches of test samples spread evenly over the split; 0 = the whole split.
+  config.data.max_eval_batches = 0
 
   # The inner (local) optimizer of every algorithm (layup_jax/optim.py).
   config.optimizer = ml_collections.ConfigDict()
@@ -202,6 +208,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.metrics = ml_collections.ConfigDict()
   config.metrics.target_accuracy = 0.0  # time to this test accuracy (TTA); 0 = not measured
   config.metrics.target_perplexity = 0.0  # language models: time to this test perplexity
+  # Time and samples (a language model: tokens) to this test loss (nats; per token for a
+  # language model); when set, it is the run's target in place of the two above.
+  config.metrics.target_loss = 0.0
   # End the run at the first evaluation that reaches the target (time-to-target runs); the
   # summary says so.
   config.metrics.stop_at_target = False

@@ -37,6 +37,7 @@ class GPT2Size:
 
 SIZES = {
     "tiny": GPT2Size(2, 64, 4),
+    "mini": GPT2Size(4, 64, 4),
     "gpt2": GPT2Size(12, 768, 12),
     "gpt2-medium": GPT2Size(24, 1024, 16),
     "gpt2-large": GPT2Size(36, 1280, 20),
