@@ -56,6 +56,9 @@ def run_measurements(records: Sequence[Record], *, language_model: bool, target:
     summary.update({f"best_eval_{key}": best["best"], "time_to_convergence_s": best["time_s"],
                     "convergence_step": best["step"],
                     "convergence_epoch": best["step"] / steps_per_epoch})
+  losses = [r["loss"] for r in tests if r.get("loss") is not None]
+  if language_model and losses:
+    summary["best_eval_loss"] = min(losses)
   if target:
     target_key = target_key or key
     reached = time_to_target(tests, target, target_key, target_key == "accuracy")

@@ -417,6 +417,8 @@ class Session:
         "compile_s": self.compile_s,
         "checkpoints_given_up": self.checkpoints_given_up,
         "train_samples_per_s": self.samples_per_s(),
+        "samples_per_step": config.num_devices * config.data.batch_size,
+        **({"tokens_per_sample": config.data.seq_len} if language_model else {}),
         "device_iterations": stats.iterations_per_device(),
         "skipped_steps": stats.skipped_steps(),
         "host_threads_cpu_s": stats.host_cpu_s(),
