@@ -28,6 +28,9 @@ consensus distance and the run's test curve (step, training time, accuracy, dist
   sudo python scripts/bench_cluster.py --config configs/fashion_mnist.py --num-steps 0 \\
       --eval-every 0 --seeds 0 1 2 --repeats 1 --rates 20mbit \\
       --set metrics.target_accuracy=0.85 --set metrics.stop_at_target=True
+  sudo python scripts/bench_cluster.py --config configs/stdlib_gpt2_mini.py --num-steps 0 \\
+      --eval-every 0 --seeds 0 1 2 --repeats 1 --rates 20mbit \\
+      --algorithms layup ddp diloco gosgd --out docs/results/hosts_stdlib_gpt2_mini.json
 
 A variant is "NAME KEY=VALUE ..." (config overrides), run beside the plain algorithm; `--set`
 overrides every run's config; `--num-steps 0` / `--eval-every 0` keep the config's. With a
@@ -131,6 +134,7 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
   return {"layout": layout, "rate": rate, "algorithm": algorithm, "seed": seed,
           "training_s": summary["wall_time_s"], "samples_per_s": summary["train_samples_per_s"],
           "final_accuracy": summary["final_eval_accuracy"],
+          "final_loss": summary.get("final_eval_loss"),
           # Device 0's own replica, and how far the replicas are from their average at the
           # end: whether an accuracy short of DDP's is the average's or every replica's.
           "device0_accuracy": summary.get("final_device0_accuracy"),
@@ -146,10 +150,11 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
 
 
 def evaluation_curve(workdir: str) -> list[dict]:
-  """The run's test rows (step, training time, accuracy, the replicas' consensus distance; with
-  `precise_bn_batches` also the running statistics' accuracy): where a target was crossed,
+  """The run's test rows (step, training time, loss, accuracy, the replicas' consensus distance;
+  with `precise_bn_batches` also the running statistics' accuracy): where a target was crossed,
   readable after the run's temporary directory is gone."""
-  keys = ("step", "time_s", "accuracy", "running_statistics_accuracy", "consensus_distance")
+  keys = ("step", "time_s", "loss", "accuracy", "running_statistics_accuracy",
+          "consensus_distance")
   return [{k: row[k] for k in keys if k in row} for row in read_metrics(workdir)
           if row.get("split") == "test"]
 

@@ -52,14 +52,16 @@ def collect(workdir: pathlib.Path) -> dict:
   return {"meta": meta, "runs": runs}
 
 
-# --- samples to accuracy -------------------------------------------------------------------------
+# --- samples to accuracy (tokens to loss) ---------------------------------------------------------
 
-BUDGET_TARGETS = (0.89, 0.90)
+BUDGET_TARGETS = (0.89, 0.90)  # accuracy targets; a language model's is its config's target_loss
+LOSS_MARGIN = 0.01  # nats: a language model's claim, LayUp's final loss <= DDP's + this
 
 
 def collect_budgets(workdirs: list[pathlib.Path]) -> dict:
-  """The runs of one sweep per training budget (`--set num_epochs=B`): per run its method,
-  variant, seed, samples seen and final accuracy."""
+  """The runs of one sweep per training budget (`--set num_epochs=B` or `num_steps=B`): per run
+  its method, variant, seed, final accuracy and loss, and its test curve (step, loss,
+  accuracy); a language model's runs also their tokens per sample and target loss."""
   runs, commands = [], []
   for workdir in workdirs:
     sweep = collect(workdir)
@@ -70,97 +72,205 @@ def collect_budgets(workdirs: list[pathlib.Path]) -> dict:
                    "delay": run["delay"], "num_steps": summary["num_steps"],
                    "num_devices": summary["num_devices"],
                    "final_accuracy": summary["final_eval_accuracy"],
+                   "final_loss": summary.get("final_eval_loss"),
+                   "tokens_per_sample": summary.get("tokens_per_sample"),
+                   "target_loss": summary.get("target_loss"),
+                   "curve": [[r["step"], r.get("loss"), r.get("accuracy")]
+                             for r in test_records(run)],
                    "code_version": summary.get("code_version")})
   meta = collect(workdirs[0])["meta"]
   return {"meta": {**meta, "commands": commands}, "runs": runs}
 
 
-def samples_to(points: list[tuple[float, float]], target: float) -> str:
-  """The samples at which a method's mean final accuracy over budgets reaches `target`,
-  interpolated linearly between the budgets around the first crossing; at or below the
-  smallest budget, or beyond the largest, said so."""
+def budget_task(runs: list[dict], batch_size: int) -> dict:
+  """What a budget table measures: accuracy against samples seen, or for a language model
+  (runs with tokens per sample) test loss against tokens seen, with its targets."""
+  tokens = next((r["tokens_per_sample"] for r in runs if r.get("tokens_per_sample")), None)
+  per_step = batch_size * runs[0]["num_devices"]
+  if tokens:
+    targets = tuple(sorted({r["target_loss"] for r in runs if r.get("target_loss")},
+                           reverse=True))
+    return {"value": "final_loss", "label": "test loss", "higher": False, "unit": "tokens",
+            "per_step": per_step * tokens, "scale": 1e6, "suffix": "M", "digits": 2,
+            "targets": targets}
+  return {"value": "final_accuracy", "label": "accuracy", "higher": True, "unit": "samples",
+          "per_step": per_step, "scale": 1e3, "suffix": "k", "digits": 0,
+          "targets": BUDGET_TARGETS}
+
+
+def amount_to(points: list[tuple[float, float]], target: float, higher: bool = True,
+              scale: float = 1e3, suffix: str = "k", digits: int = 0) -> str:
+  """The samples (or tokens) at which a method's mean final value over budgets reaches
+  `target` (accuracy at least, or with `higher=False` a loss at most), interpolated linearly
+  between the budgets around the first crossing; at or below the smallest budget, or beyond
+  the largest, said so."""
   points = sorted(points)
-  if points[0][1] >= target:
-    return f"<= {points[0][0] / 1e3:.0f} k"
+  sign = 1 if higher else -1
+  show = lambda x: f"{x / scale:.{digits}f} {suffix}"
+  if sign * points[0][1] >= sign * target:
+    return f"<= {show(points[0][0])}"
   for (s0, a0), (s1, a1) in zip(points, points[1:]):
-    if a1 >= target:
-      return f"{(s0 + (target - a0) / (a1 - a0) * (s1 - s0)) / 1e3:.0f} k"
-  return f"> {points[-1][0] / 1e3:.0f} k"
+    if sign * a1 >= sign * target:
+      return show(s0 + (target - a0) / (a1 - a0) * (s1 - s0))
+  return f"> {show(points[-1][0])}"
+
+
+def samples_to(points: list[tuple[float, float]], target: float) -> str:
+  """`amount_to` of accuracy against samples, in thousands."""
+  return amount_to(points, target)
+
+
+def budget_means(runs: list[dict], task: dict, method: tuple[str, str]) -> dict[int, list[float]]:
+  """Per budget (steps), the final values of one (algorithm, variant)'s seeds."""
+  out: dict[int, list[float]] = {}
+  for r in runs:
+    if (r["algorithm"], r["variant"]) == method and r.get(task["value"]) is not None:
+      out.setdefault(r["num_steps"], []).append(r[task["value"]])
+  return out
 
 
 def budget_tables(name: str, budgets: dict, batch_size: int, figure: str | None) -> list[str]:
   runs = [r for r in budgets["runs"] if r["delay"] == 0]
   meta = budgets["meta"]
+  task = budget_task(runs, batch_size)
   methods = sorted({(r["algorithm"], r["variant"]) for r in runs},
                    key=lambda m: (ORDER.index(m[0]) if m[0] in ORDER else len(ORDER), m[1]))
   steps = sorted({r["num_steps"] for r in runs})
-  samples = {n: n * batch_size * runs[0]["num_devices"] for n in steps}
+  seen = {n: n * task["per_step"] for n in steps}
+  shown = lambda n: f"{seen[n] / task['scale']:.{task['digits']}f} {task['suffix']}"
   versions = sorted({r["code_version"] for r in runs if r["code_version"]}
                     | set(meta.get("code_versions", {}).values()) - {None})
   lines = [f"## {name}", "",
-           (f"`{meta['config']}`, final test accuracy after a whole schedule at each budget "
+           (f"`{meta['config']}`, final {task['label']} after a whole schedule at each budget "
             f"(warm-up and cosine decay scaled with it); measured on {meta.get('date', '?')}, "
             f"{meta.get('machine', '?')}; code versions {', '.join(versions)}. Made by:"), ""]
   lines += [f"    {command}" for command in meta["commands"]]
-  lines += ["", ("Values are mean ± standard deviation over seeds; samples seen = steps x "
-                 f"{runs[0]['num_devices']} devices x {batch_size}. Samples to a target: where "
-                 "the mean final accuracy over budgets crosses it, interpolated linearly between "
-                 "the budgets around the first crossing."), ""]
-  header = ("| method | " + " | ".join(f"{n} steps ({samples[n] / 1e3:.0f} k samples)"
-                                        for n in steps)
-            + " | " + " | ".join(f"samples to {t}" for t in BUDGET_TARGETS) + " |")
-  lines += [header, "|" + "---|" * (1 + len(steps) + len(BUDGET_TARGETS))]
-  for algorithm, variant in methods:
-    cells, points = [], []
-    for n in steps:
-      values = [r["final_accuracy"] for r in runs
-                if (r["algorithm"], r["variant"], r["num_steps"]) == (algorithm, variant, n)]
-      cells.append(f"{mean_std(values)} ({len(values)})" if values else "-")
-      if values:
-        points.append((samples[n], statistics.mean(values)))
+  per_sample = (f" x {runs[0]['tokens_per_sample']} tokens" if task["unit"] == "tokens" else "")
+  lines += ["", (f"Values are mean ± standard deviation over seeds; {task['unit']} seen = steps x "
+                 f"{runs[0]['num_devices']} devices x {batch_size}{per_sample}. "
+                 f"{task['unit'].capitalize()} to a target: where the mean final "
+                 f"{task['label']} over budgets crosses it, interpolated linearly between the "
+                 "budgets around the first crossing."), ""]
+  header = ("| method | " + " | ".join(f"{n} steps ({shown(n)} {task['unit']})" for n in steps)
+            + " | " + " | ".join(f"{task['unit']} to {t:g}" for t in task["targets"]) + " |")
+  lines += [header, "|" + "---|" * (1 + len(steps) + len(task["targets"]))]
+  for method in methods:
+    algorithm, variant = method
+    finals = budget_means(runs, task, method)
+    cells = [f"{mean_std(finals[n])} ({len(finals[n])})" if n in finals else "-" for n in steps]
+    points = [(seen[n], statistics.mean(finals[n])) for n in steps if n in finals]
     label = NAMES.get(algorithm, algorithm) + (f" `{variant}`" if variant else "")
-    shown = [o for o in meta.get("variants", {}).get(variant, [])
-             if not o.startswith(("num_epochs", "eval_every", "progress_bar"))]
-    if shown:
-      label += " (" + ", ".join(f"`{o}`" for o in shown) + ")"
-    targets = [samples_to(points, t) if len(points) == len(steps) else "-"
-               for t in BUDGET_TARGETS]
+    overrides = [o for o in meta.get("variants", {}).get(variant, [])
+                 if not o.startswith(("num_epochs", "num_steps", "eval_every", "progress_bar"))]
+    if overrides:
+      label += " (" + ", ".join(f"`{o}`" for o in overrides) + ")"
+    targets = [amount_to(points, t, task["higher"], task["scale"], task["suffix"],
+                         task["digits"]) if len(points) == len(steps) else "-"
+               for t in task["targets"]]
     lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(targets) + " |")
+  if task["unit"] == "tokens":
+    lines += loss_budget_claims(runs, task, steps, seen)
   if figure:
-    lines += ["", f"![final accuracy against samples seen]({figure})"]
+    lines += ["", f"![final {task['label']} against {task['unit']} seen]({figure})"]
   if meta.get("note"):  # how the runs were made and named, where a table cannot say it
     lines += ["", f"**Note**: {meta['note']}"]
   return lines
 
 
+def loss_budget_claims(runs: list[dict], task: dict, steps: list[int],
+                       seen: dict[int, float]) -> list[str]:
+  """A language model's claim: at every budget LayUp's mean final test loss at most DDP's +
+  `LOSS_MARGIN`, and its tokens to each target (interpolated) at most DDP's."""
+  layup, ddp = (budget_means(runs, task, (a, "")) for a in ("layup", "ddp"))
+  if not (layup and ddp):
+    return []
+  rows = []
+  for n in steps:
+    if n in layup and n in ddp:
+      a, b = statistics.mean(layup[n]), statistics.mean(ddp[n])
+      rows.append((f"{n} steps: LayUp's mean final test loss <= DDP's + {LOSS_MARGIN}",
+                   f"{a:.4f} vs {b:.4f} ({len(layup[n])} and {len(ddp[n])} seeds)",
+                   "holds" if a <= b + LOSS_MARGIN else "does not hold"))
+  for target in task["targets"]:
+    crossings = []
+    for finals in (layup, ddp):
+      points = sorted((seen[n], statistics.mean(v)) for n, v in finals.items())
+      crossings.append(interpolated_crossing(points, target))
+    a, b = crossings
+    show = lambda x: "not reached" if x is None else f"{x / 1e6:.2f} M"
+    holds = a is not None and (b is None or a <= b)
+    rows.append((f"LayUp's tokens to test loss {target:g} <= DDP's", f"{show(a)} vs {show(b)}",
+                 "holds" if holds else "does not hold"))
+  return ["", "| claim | measured | verdict |", "|---|---|---|",
+          *[f"| {claim} | {measured} | {result} |" for claim, measured, result in rows]]
+
+
+def interpolated_crossing(points: list[tuple[float, float]], target: float) -> float | None:
+  """The amount at which falling values first reach `target`, linear between points; the
+  first point's amount if it is already there; None if never."""
+  if not points:
+    return None
+  if points[0][1] <= target:
+    return points[0][0]
+  for (s0, a0), (s1, a1) in zip(points, points[1:]):
+    if a1 <= target:
+      return s0 + (target - a0) / (a1 - a0) * (s1 - s0)
+  return None
+
+
 def draw_budget_figure(name: str, budgets: dict, batch_size: int, out_dir: pathlib.Path,
                        link_dir: str) -> str:
+  """Final value against samples (tokens) seen, a point per budget; for a language model beside
+  it each method's test loss against tokens seen during its runs (mean over seeds, every
+  budget)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   runs = [r for r in budgets["runs"] if r["delay"] == 0]
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for algorithm, variant in sorted({(r["algorithm"], r["variant"]) for r in runs}):
-    steps = sorted({r["num_steps"] for r in runs if (r["algorithm"], r["variant"]) == (
-        algorithm, variant)})
-    xs, ys, es = [], [], []
-    for n in steps:
-      values = [r["final_accuracy"] for r in runs
-                if (r["algorithm"], r["variant"], r["num_steps"]) == (algorithm, variant, n)]
-      xs.append(n * batch_size * runs[0]["num_devices"] / 1e3)
-      ys.append(statistics.mean(values))
-      es.append(statistics.stdev(values) if len(values) > 1 else 0.0)
-    label = NAMES.get(algorithm, algorithm) + (f" {variant}" if variant else "")
-    ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
-  for target in BUDGET_TARGETS:
-    ax.axhline(target, color="grey", linewidth=0.5, linestyle="--")
-  ax.set_xlabel("samples seen (thousands)")
-  ax.set_ylabel("final test accuracy")
-  ax.set_title(name)
-  ax.legend(fontsize=7)
+  task = budget_task(runs, batch_size)
+  curves = task["unit"] == "tokens"
+  fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(11 if curves else 6, 4))
+  finals_axis = axes[0] if curves else axes
+  methods = sorted({(r["algorithm"], r["variant"]) for r in runs},
+                   key=lambda m: (ORDER.index(m[0]) if m[0] in ORDER else len(ORDER), m[1]))
+  for index, method in enumerate(methods):
+    color = f"C{index}"
+    finals = budget_means(runs, task, method)
+    xs = [n * task["per_step"] / task["scale"] for n in sorted(finals)]
+    ys = [statistics.mean(finals[n]) for n in sorted(finals)]
+    es = [statistics.stdev(finals[n]) if len(finals[n]) > 1 else 0.0 for n in sorted(finals)]
+    label = NAMES.get(method[0], method[0]) + (f" {method[1]}" if method[1] else "")
+    finals_axis.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label, color=color)
+    if curves:
+      for n in sorted(finals):
+        group = [r for r in runs if (r["algorithm"], r["variant"], r["num_steps"]) ==
+                 (*method, n)]
+        by_step: dict[int, list[float]] = {}
+        for run in group:
+          for step, loss, _ in run["curve"]:
+            if loss is not None:
+              by_step.setdefault(step, []).append(loss)
+        shared = sorted(s for s, v in by_step.items() if len(v) == len(group) and s > 0)
+        axes[1].plot([s * task["per_step"] / task["scale"] for s in shared],
+                     [statistics.mean(by_step[s]) for s in shared], color=color,
+                     linewidth=1.2 if n == max(finals) else 0.6,
+                     label=label if n == max(finals) else None)
+  for target in task["targets"]:
+    for axis in axes if curves else [axes]:
+      axis.axhline(target, color="grey", linewidth=0.5, linestyle="--")
+  finals_axis.set_xlabel(f"{task['unit']} seen ({'millions' if curves else 'thousands'})")
+  finals_axis.set_ylabel(f"final {task['label']}")
+  finals_axis.set_title(f"{name}: final {task['label']} per budget", fontsize=9)
+  finals_axis.legend(fontsize=7)
+  if curves:
+    axes[1].set(xlabel="tokens seen (millions)", ylabel="test loss (nats per token)")
+    axes[1].set_title("during each run (mean over seeds; thick: the largest budget)", fontsize=9)
+    low = min(statistics.mean(v) for m in methods for v in budget_means(runs, task, m).values())
+    axes[1].set_ylim(low - 0.1, low + 1.2)
   out_dir.mkdir(parents=True, exist_ok=True)
-  path = out_dir / f"{name}_samples_to_accuracy.png"
+  stem = "tokens_to_loss" if curves else "samples_to_accuracy"
+  path = out_dir / f"{name}_{stem}.png"
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -179,9 +289,10 @@ def mean_std(values, digits: int = 4) -> str:
 
 
 def metric_key(runs: list[dict]) -> tuple[str, bool]:
-  """("perplexity", False) for language models, else ("accuracy", True): key, higher better."""
+  """("loss", False) for language models (test loss, nats per token), else ("accuracy",
+  True): key, higher better."""
   language_model = any("final_eval_perplexity" in r["summary"] for r in runs)
-  return ("perplexity", False) if language_model else ("accuracy", True)
+  return ("loss", False) if language_model else ("accuracy", True)
 
 
 def others_throughput(run: dict) -> float:
@@ -197,6 +308,16 @@ def mean_latency_ms(run: dict) -> float | None:
   latency = run["summary"].get("stage_update_latency_ms")
   values = [v for v in latency or [] if v is not None]
   return statistics.mean(values) if values else None
+
+
+def best_value(run: dict, key: str) -> float | None:
+  """The run's best test value of `key`: its summary's, else (a summary written before it had
+  one, as a language model's best loss) from its test records."""
+  best = run["summary"].get(f"best_eval_{key}")
+  values = [r[key] for r in test_records(run) if r.get(key) is not None]
+  if best is None and values:
+    best = max(values) if key == "accuracy" else min(values)
+  return best
 
 
 def test_records(run: dict) -> list[dict]:
@@ -227,7 +348,7 @@ def result_row(label: str, group: list[dict], key: str) -> str:
   s = [r["summary"] for r in group]
   mfu = [x.get("mfu") for x in s]
   return (f"| {label} | {mean_std([x[f'final_eval_{key}'] for x in s])} | "
-          f"{mean_std([x.get(f'best_eval_{key}') for x in s])} | "
+          f"{mean_std([best_value(r, key) for r in group])} | "
           f"{mean_std([x['wall_time_s'] for x in s])} | "
           f"{mean_std([x.get('time_to_target_s') for x in s])} | "
           f"{mean_std([x.get('time_to_convergence_s') for x in s])} | "
@@ -240,7 +361,7 @@ def sweep_tables(name: str, sweep: dict, figures: dict[str, str]) -> list[str]:
   meta, every_run = sweep["meta"], sweep["runs"]
   runs = [r for r in every_run if not r["variant"]]  # the config's own runs, not ablations
   key, higher = metric_key(every_run)
-  label = "accuracy" if higher else "perplexity"
+  label = "accuracy" if higher else "loss"
   algorithms = [a for a in ORDER if any(r["algorithm"] == a for r in runs)]
   first = every_run[0]["summary"]
   seeds = sorted({r["seed"] for r in every_run})
@@ -423,7 +544,7 @@ def claims_table(runs: list[dict], key: str, higher: bool) -> list[str]:
     diff = statistics.mean(a) - statistics.mean(b)
     measured = (f"{statistics.mean(a):.4f} vs {statistics.mean(b):.4f} ({len(a)} and {len(b)} "
                 "seeds)")
-    rows.append((f"LayUp's final test {key} >= DDP's", measured,
+    rows.append((f"LayUp's final test {key} {'>=' if higher else '<='} DDP's", measured,
                  verdict(diff, max(spread(a), spread(b)), higher) + one_seed(a, b)))
   a, b = values(layup, "time_to_target_s"), values(ddp, "time_to_target_s")
   if a and b:
@@ -761,54 +882,10 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
         lines.append(f"| {name} | " + " | ".join(cells) + f" | "
                      f"{'-' if counted is None else f'{counted / 1e3:.1f}'} | "
                      f"{'-' if link is None else f'{link / 1e3:.1f}'} |")
-  path = results / "hosts_fashion_mnist.json"
-  if path.exists():
-    bench = json.loads(path.read_text())
-    args = bench["args"]
-    runs = [r for r in bench["runs"] if "failed" not in r]
-    failed = len(bench["runs"]) - len(runs)
-    seeds = sorted({r["seed"] for r in runs})
-    missing = [str(s) for s in args["seeds"] if s not in seeds]
-    target = next((o.split("=", 1)[1] for o in args["set"]
-                   if o.startswith("metrics.target_accuracy=")), "the config's target")
-    lines += ["", "### Time to target across hosts (Fashion-MNIST)", "",
-              (f"`sudo python scripts/bench_cluster.py --config {args['config']} --num-steps "
-               f"{args['num_steps']} --eval-every {args['eval_every']} --algorithms "
-               f"{' '.join(args['algorithms'])} --layouts {' '.join(args['layouts'])} --rates "
-               f"{' '.join(args['rates'])} --seeds {' '.join(map(str, args['seeds']))}"
-               + "".join(f' --variant "{v}"' for v in args.get("variant", []))
-               + "".join(f" --set {o}" for o in args["set"]) + "`: the config's 3 epochs, "
-               f"each method with its own searched lr and warm-up (the main table's), seeds "
-               f"{', '.join(map(str, seeds))}; time to test accuracy {target} "
-               "(training time, evaluation excluded; every evaluation counted, nothing "
-               f"interpolated); mean ± std over seeds; {bench_stamp(bench)}."
-               + (f" Stopped (Ctrl-C) after {len(bench['runs'])} runs"
-                  + (f"; no finished run for seed(s) {', '.join(missing)}" if missing else "") + "."
-                  if bench.get("stopped") else "")
-               + (f" {failed} run(s) failed and are left out." if failed else "")), "",
-              ("| algorithm | layout | link | time to target s | reached | final accuracy | "
-               "samples/s | counted kB/it |"), "|---|---|---|---|---|---|---|---|"]
-    groups: dict[tuple, list[dict]] = {}
-    for run in runs:
-      groups.setdefault((run["case"], run["layout"], run["rate"]), []).append(run)
-    for (case, layout, rate), group in groups.items():
-      reached = [r["time_to_target_s"] for r in group if r["time_to_target_s"] is not None]
-      counted = [r["counted_bytes_per_iteration"] for r in group
-                 if r["counted_bytes_per_iteration"] is not None]
-      lines.append(
-          f"| {case_name(case)} | {layout} | {rate} | {mean_std(reached, 3)} | "
-          f"{len(reached)}/{len(group)} | {mean_std([r['final_accuracy'] for r in group])} | "
-          f"{mean_std([r['samples_per_s'] for r in group], 4)} | "
-          f"{mean_std([c / 1e3 for c in counted], 3)} |")
-    failed_only: dict[tuple, list[dict]] = {}  # a method none of whose runs finished keeps its row
-    for run in bench["runs"]:
-      key = (run.get("case"), run.get("layout"), run.get("rate"))
-      if "failed" in run and key not in groups:
-        failed_only.setdefault(key, []).append(run)
-    for (case, layout, rate), group in failed_only.items():
-      lines.append(f"| {case_name(case)} | {layout} | {rate} | failed: {group[0]['failed']} | "
-                   f"0/{len(group)} | - | - | - |")
-    lines += hosts_claim(groups)
+  for name, task in (("fashion_mnist", "Fashion-MNIST"), ("stdlib_gpt2_mini", "language model")):
+    path = results / f"hosts_{name}.json"
+    if path.exists():
+      lines += hosts_target_section(json.loads(path.read_text()), task)
   if not lines:
     return []
   return (["", "## Several hosts", "",
@@ -816,6 +893,59 @@ def several_hosts_tables(results: pathlib.Path) -> list[str]:
             "process per host with its devices, the hosts' links shaped with the kernel's token "
             "bucket at the rate given in both directions (docs/records/multihost.md, \"Gossip on a slow "
             "link\").")] + lines)
+
+
+def hosts_target_section(bench: dict, task: str) -> list[str]:
+  """A `scripts/bench_cluster.py` run of several seeds to a target (Fashion-MNIST's accuracy, or
+  the language model's test loss): the time to it per method, mean over seeds, and the claim."""
+  lines = []
+  key = "loss" if task == "language model" else "accuracy"
+  args = bench["args"]
+  runs = [r for r in bench["runs"] if "failed" not in r]
+  failed = len(bench["runs"]) - len(runs)
+  seeds = sorted({r["seed"] for r in runs})
+  missing = [str(s) for s in args["seeds"] if s not in seeds]
+  target = next((o.split("=", 1)[1] for o in args["set"]
+                 if o.startswith(f"metrics.target_{key}=")), "the config's target")
+  lines += ["", f"### Time to target across hosts ({task})", "",
+            (f"`sudo python scripts/bench_cluster.py --config {args['config']} --num-steps "
+             f"{args['num_steps']} --eval-every {args['eval_every']} --algorithms "
+             f"{' '.join(args['algorithms'])} --layouts {' '.join(args['layouts'])} --rates "
+             f"{' '.join(args['rates'])} --seeds {' '.join(map(str, args['seeds']))}"
+             + "".join(f' --variant "{v}"' for v in args.get("variant", []))
+             + "".join(f" --set {o}" for o in args["set"]) + "`: the config's schedule, "
+             f"each method with its own searched lr and warm-up (its column), seeds "
+             f"{', '.join(map(str, seeds))}; time to test {key} {target} "
+             "(training time, evaluation excluded; every evaluation counted, nothing "
+             f"interpolated); mean ± std over seeds; {bench_stamp(bench)}."
+             + (f" Stopped (Ctrl-C) after {len(bench['runs'])} runs"
+                + (f"; no finished run for seed(s) {', '.join(missing)}" if missing else "") + "."
+                if bench.get("stopped") else "")
+             + (f" {failed} run(s) failed and are left out." if failed else "")), "",
+            (f"| algorithm | layout | link | time to target s | reached | final {key} | "
+             "samples/s | counted kB/it |"), "|---|---|---|---|---|---|---|---|"]
+  groups: dict[tuple, list[dict]] = {}
+  for run in runs:
+    groups.setdefault((run["case"], run["layout"], run["rate"]), []).append(run)
+  for (case, layout, rate), group in groups.items():
+    reached = [r["time_to_target_s"] for r in group if r["time_to_target_s"] is not None]
+    counted = [r["counted_bytes_per_iteration"] for r in group
+               if r["counted_bytes_per_iteration"] is not None]
+    lines.append(
+        f"| {case_name(case)} | {layout} | {rate} | {mean_std(reached, 3)} | "
+        f"{len(reached)}/{len(group)} | {mean_std([r.get(f'final_{key}') for r in group])} | "
+        f"{mean_std([r['samples_per_s'] for r in group], 4)} | "
+        f"{mean_std([c / 1e3 for c in counted], 3)} |")
+  failed_only: dict[tuple, list[dict]] = {}  # a method none of whose runs finished keeps its row
+  for run in bench["runs"]:
+    where = (run.get("case"), run.get("layout"), run.get("rate"))
+    if "failed" in run and where not in groups:
+      failed_only.setdefault(where, []).append(run)
+  for (case, layout, rate), group in failed_only.items():
+    lines.append(f"| {case_name(case)} | {layout} | {rate} | failed: {group[0]['failed']} | "
+                 f"0/{len(group)} | - | - | - |")
+  lines += hosts_claim(groups) if key == "accuracy" else hosts_loss_claim(groups)
+  return lines
 
 
 def case_name(case: str) -> str:
@@ -858,6 +988,37 @@ def hosts_claim(groups: dict[tuple, list[dict]]) -> list[str]:
   return ["", ("| claim | LayUp / DDP time to target (means) | DiLoCo's time to target (mean) | "
                "final accuracy (means) | verdict |"),
           "|---|---|---|---|---|", *rows]
+
+
+def hosts_loss_claim(groups: dict[tuple, list[dict]]) -> list[str]:
+  """The language model's claim across hosts: LayUp's mean time to the target loss at most 0.6
+  of DDP's, every seed of both reaching it; DiLoCo's beside, and whichever of the three is
+  first, as it is."""
+  rows = []
+  for (case, layout, rate), layup in groups.items():
+    ddp = groups.get(("ddp", layout, rate))
+    if case.partition(":")[0] != "layup" or not ddp:
+      continue
+    times = {name: [r["time_to_target_s"] for r in group] for name, group in (
+        (case_name(case), layup), ("DDP", ddp), ("DiLoCo", groups.get(("diloco", layout, rate))
+                                                  or []))}
+    if any(t is None for ts in list(times.values())[:2] for t in ts):
+      rows.append(f"| across hosts ({layout}, {rate} links) {case_name(case)}'s time to the "
+                  "target loss <= 0.6x DDP's | - | - | - | does not hold (a seed did not reach "
+                  "the target) |")
+      continue
+    means = {name: statistics.mean(ts) for name, ts in times.items()
+             if ts and all(t is not None for t in ts)}
+    ratio = means[case_name(case)] / means["DDP"]
+    first = min(means, key=means.get)
+    diloco = f"{means['DiLoCo']:.1f} s" if "DiLoCo" in means else "-"
+    rows.append(f"| across hosts ({layout}, {rate} links) {case_name(case)}'s time to the target "
+                f"loss <= 0.6x DDP's | {ratio:.3f} | {diloco} | {first} | "
+                f"{'holds' if ratio <= 0.6 else 'does not hold'} |")
+  if not rows:
+    return []
+  return ["", ("| claim | LayUp / DDP time to target (means) | DiLoCo's time to target (mean) | "
+               "first to the target | verdict |"), "|---|---|---|---|---|", *rows]
 
 
 # Sections in this order (real data first), then any other sweep by name.

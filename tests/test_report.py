@@ -156,6 +156,35 @@ def test_the_budget_table_has_a_row_per_method_and_variant_with_its_settings_and
   assert lines[-1] == "**Note**: one_peer ran at an older commit"
 
 
+def test_a_language_models_budget_table_gives_tokens_to_the_target_loss_and_the_claim():
+  report = _script("report")
+  finals = {"ddp": (2.40, 2.10, 1.95), "layup": (2.35, 2.08, 1.955)}
+  runs = [{"algorithm": algorithm, "variant": "", "seed": seed, "delay": 0.0,
+           "num_steps": steps, "num_devices": 8, "final_accuracy": 0.5,
+           "final_loss": loss + 0.001 * seed, "tokens_per_sample": 128, "target_loss": 2.2,
+           "curve": [[0, 5.5, 0.1], [steps, loss + 0.001 * seed, 0.5]], "code_version": "abc1234"}
+          for algorithm, losses in finals.items()
+          for steps, loss in zip((100, 200, 300), losses) for seed in (0, 1, 2)]
+  meta = {"config": "configs/stdlib_gpt2_mini.py", "commands": ["python scripts/sweep.py ..."]}
+  lines = report.budget_tables("lm", {"meta": meta, "runs": runs}, 16, None)
+  rows = {line.split(" | ")[0]: line for line in lines if line.startswith("| ")}
+  assert "100 steps (1.64 M tokens)" in rows["| method"] and "tokens to 2.2" in rows["| method"]
+  # DDP crosses 2.2 two thirds of the way from 2.401 to 2.101: 1.64 M + 0.67 x 1.64 M = 2.74 M
+  assert rows["| DDP"].endswith("| 2.74 M |") and rows["| LayUp"].endswith("| 2.55 M |")
+  claims = {line.split(" | ")[0]: line for line in lines if line.startswith("| ") and
+            ("steps:" in line or "tokens to" in line.split(" | ")[0])}
+  assert claims["| 300 steps: LayUp's mean final test loss <= DDP's + 0.01"].endswith(
+      "| holds |")  # 1.956 against 1.951: within the margin
+  assert claims["| LayUp's tokens to test loss 2.2 <= DDP's"].endswith("| holds |")
+  finals["layup"] = (2.35, 2.08, 1.97)
+  for run in runs:
+    if run["algorithm"] == "layup" and run["num_steps"] == 300:
+      run["final_loss"] = 1.97 + 0.001 * run["seed"]
+  lines = report.budget_tables("lm", {"meta": meta, "runs": runs}, 16, None)
+  assert any(line.startswith("| 300 steps: LayUp's mean") and line.endswith("| does not hold |")
+             for line in lines)
+
+
 def test_the_straggler_claim_compares_the_times_to_target_under_each_delay():
   # The paper's Figure 3 as a claim per (mode, delay): LayUp's time to the target against DDP's
   # under the same straggler; a method that never reaches it within its run loses.
@@ -294,6 +323,35 @@ def test_the_several_hosts_section_renders_the_cluster_runs_and_decides_its_clai
   assert "Stopped (Ctrl-C) after 3 runs; no finished run for seed(s) 1, 2." in text
   assert "1 run(s) failed and are left out." in text
   assert "| DDP | 2x4 | 20mbit | 500 | 1/1 | 0.912 |" in text
+
+
+def test_the_language_models_hosts_claim_compares_times_to_the_target_loss(tmp_path):
+  """Across hosts the language model's claim is LayUp's time to the target loss <= 0.6x DDP's;
+  DiLoCo's time is beside it and the first of the three is named, whichever it is."""
+  report = _script("report")
+
+  def row(case, tta, loss, seed):
+    return {"case": case, "layout": "2x4", "rate": "20mbit", "seed": seed, "training_s": 300.0,
+            "samples_per_s": 500.0, "final_accuracy": 0.5, "final_loss": loss,
+            "time_to_target_s": tta, "counted_bytes_per_iteration": 9_000.0}
+
+  bench = {"measured": "2026-12-07, this machine", "code": "abc1234",
+           "args": {"config": "configs/stdlib_gpt2_mini.py", "num_steps": 0, "eval_every": 0,
+                    "algorithms": ["layup", "ddp", "diloco"], "layouts": ["2x4"],
+                    "rates": ["20mbit"], "seeds": [0, 1], "set": ["metrics.target_loss=2.3"]},
+           "runs": [row("layup", 100.0, 2.10, 0), row("layup", 120.0, 2.12, 1),
+                    row("ddp", 200.0, 2.08, 0), row("ddp", 200.0, 2.09, 1),
+                    row("diloco", 90.0, 2.20, 0), row("diloco", 100.0, 2.21, 1)]}
+  (tmp_path / "hosts_stdlib_gpt2_mini.json").write_text(json.dumps(bench))
+  text = "\n".join(report.several_hosts_tables(tmp_path))
+  assert "### Time to target across hosts (language model)" in text
+  assert "time to test loss 2.3" in text and "| final loss |" in text
+  assert "| LayUp | 2x4 | 20mbit | 110 ± 14 | 2/2 | 2.11 ± 0.014 |" in text
+  assert "loss <= 0.6x DDP's | 0.550 | 95.0 s | DiLoCo | holds |" in text
+  bench["runs"][1]["time_to_target_s"] = 160.0  # mean 130 of 200: 0.65
+  (tmp_path / "hosts_stdlib_gpt2_mini.json").write_text(json.dumps(bench))
+  assert "| 0.650 | 95.0 s | DiLoCo | does not hold |" in "\n".join(
+      report.several_hosts_tables(tmp_path))
 
 
 def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
