@@ -52,7 +52,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.widths = (16, 32, 64)  # digits_resnet: channels of its three widths
   config.model.blocks_per_stage = 1  # digits_resnet: basic blocks per width
   config.model.variant = "cifar"  # ResNets: "cifar" (3x3 stem) or "imagenet" (7x7, max-pool)
-  config.model.size = "gpt2"  # GPT-2: "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"
+  # GPT-2: "tiny" (2 blocks of width 64), "mini" (4 of 64), "gpt2", "gpt2-medium", "gpt2-large",
+  # "gpt2-xl".
+  config.model.size = "gpt2"
   # What LayUp updates and sends as one layer: "per_layer" (each convolution, each half of a
   # GPT-2 block: the paper's) or "per_block" (a residual block, a transformer block: fewer
   # programs per iteration, coarser updates).
