@@ -11,6 +11,7 @@ follows one schedule in run time, which ends with the run.
 """
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -54,6 +55,37 @@ def scale_by_schedule_at_step(schedule: optax.Schedule) -> optax.GradientTransfo
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
+def scale_by_adam_of_mean(b1: float, b2: float, eps: float,
+                          mean_of: float) -> optax.GradientTransformation:
+  """Adam whose step is normalized by the second moment of the mean of `mean_of` devices'
+  gradients rather than of this device's own: `m / (sqrt(m^2 + (v - m^2) / n) + eps)`, with
+  `m`, `v` Adam's bias-corrected moments and `n = mean_of` (1: Adam itself).
+
+  Why: DDP's Adam sees the mean of its M devices' gradients, whose noise variance is 1/M of one
+  device's; a replica that averages its model with others' (LayUp, the gossip and periodic
+  baselines) sees its own gradient, so where noise dominates a coordinate its Adam steps
+  sqrt(M) times shorter, and the average of the replicas' steps is that much shorter than DDP's
+  step at the same learning rate (with SGD the average step is DDP's). `v - m^2` estimates a
+  coordinate's noise variance and `m^2` its squared mean: the step is Adam's where the mean
+  dominates and DDP's where the noise does. The state is Adam's (`ScaleByAdamState`)."""
+  adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+  if mean_of <= 1:
+    return adam
+
+  def update(updates, state, params=None):
+    _, state = adam.update(updates, state, params)
+    mu_hat = optax.tree.bias_correction(state.mu, b1, state.count)
+    nu_hat = optax.tree.bias_correction(state.nu, b2, state.count)
+
+    def step(m, v):
+      noise = jnp.maximum(v - m * m, 0.0)
+      return (m / (jnp.sqrt(m * m + noise / mean_of) + eps)).astype(m.dtype)
+
+    return jax.tree.map(step, mu_hat, nu_hat), state
+
+  return optax.GradientTransformation(adam.init, update)
+
+
 def make_optimizer(config: ml_collections.ConfigDict, num_steps: int,
                    steps_per_epoch: int = 0) -> optax.GradientTransformationExtraArgs:
   """SGD with momentum, Adam or AdamW as Optax composes them (`optax.sgd`, `optax.adam`,
@@ -63,7 +95,7 @@ def make_optimizer(config: ml_collections.ConfigDict, num_steps: int,
     momentum = (optax.trace(decay=config.momentum, nesterov=config.nesterov) if config.momentum
                 else optax.identity())
     return optax.chain(optax.add_decayed_weights(config.weight_decay), momentum, learning_rate)
-  adam = optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps)
+  adam = scale_by_adam_of_mean(config.b1, config.b2, config.eps, config.get("adam_mean_of", 1))
   if config.name == "adam":
     return optax.chain(optax.add_decayed_weights(config.weight_decay), adam, learning_rate)
   return optax.chain(adam, optax.add_decayed_weights(config.weight_decay), learning_rate)

@@ -116,7 +116,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("data.batch_size", 1), ("optimizer.learning_rate", 0), ("optimizer.momentum", 0),
       ("optimizer.weight_decay", 0), ("optimizer.warmup_steps", 0), ("optimizer.warmup_epochs", 0),
       ("optimizer.warmup_fraction", 0),
-      ("optimizer.warmup_init_lr", 0), ("num_steps", 0), ("num_epochs", 0), ("eval_every", 0),
+      ("optimizer.warmup_init_lr", 0), ("optimizer.adam_mean_of", 1), ("num_steps", 0), ("num_epochs", 0), ("eval_every", 0),
       ("precise_bn_batches", 0),
       ("tuning.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
       ("model.num_classes", 1), ("model.vocab_size", 1), ("model.vocab_multiple", 0), ("model.max_len", 1),
