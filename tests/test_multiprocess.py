@@ -174,6 +174,19 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoi
 
 
 @pytest.mark.multiprocess
+def test_under_the_launcher_too_few_devices_is_one_line_that_names_devices_per_process(
+    tmp_path):
+  done = subprocess.run(_launcher(tmp_path, {"num_devices": 8}, devices_per_process=2),
+                        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 2, _tail(done.stdout) + _tail(done.stderr)
+  errors = [line for line in (done.stdout + done.stderr).splitlines() if "error:" in line]
+  assert len(errors) == 1 and errors[0].split("error: ")[1].startswith(
+      "config.num_devices=8: must be between 1 and the 4 devices of the run's 2 processes "
+      "(python -m layup_jax.launch --devices-per-process D"), errors
+  assert "XLA_FLAGS" not in done.stdout + done.stderr and "launch:" not in done.stderr
+
+
+@pytest.mark.multiprocess
 def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_path):
   """Processes started by hand (as a cluster's starter does): process 1 is killed; process 0's
   watchdog names it within 30 s and exits with status 4, and no successful run is cut short

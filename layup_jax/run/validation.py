@@ -107,10 +107,14 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
              pretrained, "no model.safetensors in that directory (nothing is downloaded)")
 
   num_devices = config.num_devices
+  processes = config.distributed.num_processes if config.distributed.coordinator_address else 1
   _require(
       1 <= num_devices <= num_available_devices, "num_devices", num_devices,
       f"must be between 1 and the {num_available_devices} devices JAX sees (on CPU, set "
-      f"XLA_FLAGS=--xla_force_host_platform_device_count=N for N fake devices)",
+      f"XLA_FLAGS=--xla_force_host_platform_device_count=N for N fake devices)" if processes == 1
+      else f"must be between 1 and the {num_available_devices} devices of the run's "
+           f"{processes} processes (python -m layup_jax.launch --devices-per-process D gives "
+           f"each process D; on a cluster, each process brings its own devices)",
   )
   checks: list[tuple[str, float]] = [
       ("data.batch_size", 1), ("optimizer.learning_rate", 0), ("optimizer.momentum", 0),
