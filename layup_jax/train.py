@@ -21,7 +21,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from configs.base import RENAMED
+from layup_jax.defaults import RENAMED
 from layup_jax.errors import RejoinError, UserError
 from layup_jax.platform import allocator
 
@@ -117,7 +117,7 @@ def _fail_parse(error: Exception, argv: list[str]) -> None:
   if isinstance(error, (AttributeError, KeyError)) and key:
     hint = detail.split("?")[0].split("Did you mean")[-1] if "Did you mean" in detail else ""
     suggestion = f" (did you mean{hint}?)" if hint else ""
-    _fail(f"unknown config key {key}{suggestion}; every key is listed in configs/base.py")
+    _fail(f"unknown config key {key}{suggestion}; every key is listed in layup_jax/defaults.py")
   _fail(f"bad config override {key or ''}: {detail}")
 
 

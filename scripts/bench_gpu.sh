@@ -232,9 +232,9 @@ if [[ "${ATTENTION:-0}" == 1 ]]; then
   # cuDNN's 0.038, and the two bf16 paths 0.040 from each other, over 2e-2.
   run attention_check 90 python3 -c "
 import jax, numpy as np
-from configs import base
+from layup_jax import defaults
 from layup_jax import models
-config = base.get_config().model
+config = defaults.get_config().model
 config.update({'name': 'gpt2', 'size': 'gpt2', 'max_len': 1024})
 tokens = np.random.default_rng(0).integers(0, config.vocab_size, (4, 1024)).astype(np.int32)
 out = {}

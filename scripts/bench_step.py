@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import data, models, optim
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
@@ -91,7 +91,7 @@ CASES = {  # "iters": iterations per timed block (short: the sides alternate oft
 
 
 def case_config(case: str):
-  config = base.get_config()
+  config = defaults.get_config()
   extras = {}
   for key, value in CASES[case].items():
     if "." not in key:

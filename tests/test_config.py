@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import data
 from layup_jax.run.validation import ConfigError, validate_config
 from layup_jax.runtime.options import CONFIG_KEYS, RuntimeOptions
@@ -138,7 +138,7 @@ def test_the_cli_says_in_one_line_how_to_prepare_a_missing_dataset(tmp_path):
 
 
 def test_runtime_options_are_built_from_the_config_keys():
-  config = base.get_config()
+  config = defaults.get_config()
   config.layup.push_sum, config.straggler.mode = "per_model", "device"
   config.metrics.latency_every = 3
   options = RuntimeOptions.from_config(config)

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import models
 from layup_jax.algorithms.ddp import DDPRuntime
 from layup_jax.algorithms.layup import LayUp
@@ -30,7 +30,7 @@ def test_parameter_counts_match_the_published_ones(name):
 
 def tiny(name: str, **overrides):
   """A config.model small enough for CPU tests, and a batch generator for it."""
-  config = base.get_config().model
+  config = defaults.get_config().model
   config.name = name
   # A stage per block, as before LayUp's default became per layer: the cases that need per-layer
   # stages name it (a ResNet-50 per layer compiles about 50 stage programs per test).

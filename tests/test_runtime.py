@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import optim
 from layup_jax.algorithms.gossip import ADPSGD, GoSGD
 from layup_jax.algorithms.periodic import make_exchange
@@ -300,7 +300,7 @@ def test_no_device_trains_at_learning_rate_zero_before_the_run_ends():
   # the others, so they do most iterations. The schedule is driven by the run's global step
   # (iterations started by all, over the device count), so every update of the run has a
   # learning rate above 0 and the straggler's last updates are at the end of the schedule too.
-  config = base.get_config().optimizer
+  config = defaults.get_config().optimizer
   config.schedule, config.learning_rate = "cosine", 0.05
   num_steps = 30
   tx = optim.make_optimizer(config, num_steps)
@@ -345,7 +345,7 @@ def test_the_step_driven_optimizers_equal_optax_with_its_own_count():
   params = {"w": jnp.arange(4.0), "b": jnp.ones(2)}
   grads = {"w": jnp.array([0.5, -1.0, 2.0, 0.1]), "b": jnp.array([0.3, -0.2])}
   for name in ("sgd", "adam", "adamw"):
-    config = base.get_config().optimizer
+    config = defaults.get_config().optimizer
     config.name, config.warmup_steps = name, 2
     ours, schedule = optim.make_optimizer(config, 10), optim.make_schedule(config, 10)
     theirs = {"sgd": optax.chain(optax.add_decayed_weights(config.weight_decay),

@@ -1,7 +1,7 @@
 """The options of the asynchronous runtime, as one typed object built from the config.
 
 The config is checked once, before anything is built (layup_jax/run/validation.py); these are
-its values as the runtime reads them. configs/base.py says what each key means.
+its values as the runtime reads them. layup_jax/defaults.py says what each key means.
 """
 
 import dataclasses
