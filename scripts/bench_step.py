@@ -217,8 +217,9 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
 
   def runtime(pack: bool, fuse: bool = True, ahead: int = 1, remat: str = "dots",
               chain: bool = False) -> AsyncRuntime:
-    options = RuntimeOptions(seed=config.seed, pack_stages=pack, fuse_local_step=fuse,
-                             max_dispatch_ahead=ahead, remat=remat, chain_forwards=chain)
+    options = RuntimeOptions.from_config(config).replace(
+        pack_stages=pack, fuse_local_step=fuse, max_dispatch_ahead=ahead, remat=remat,
+        chain_forwards=chain)
     built = AsyncRuntime(model, tx, [device], [train], params, state, example, LayUp, options)
     built.compile()
     return built

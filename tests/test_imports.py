@@ -55,7 +55,7 @@ _MAY_IMPORT = {
     "multiprocess": {"errors", "platform"},
     "checkpoint": {"errors", "platform", "multiprocess", "defaults"},
     "runtime": {"errors", "platform", "pushsum", "models", "data", "measure", "multiprocess",
-                "checkpoint"},
+                "checkpoint", "defaults"},
     "algorithms": {"errors", "optim", "platform", "pushsum", "models", "data", "measure",
                    "multiprocess", "checkpoint", "runtime"},
     "run": {"errors", "optim", "platform", "pushsum", "models", "data", "measure",

@@ -87,7 +87,7 @@ def test_packed_stages_train_exactly_as_pytree_stages():
 
 @pytest.mark.parametrize("push_sum", ["per_stage", "per_model"])
 def test_scripted_peer_sequence_moves_the_weights_as_push_sum_and_keeps_their_sums(push_sum):
-  runtime = make_layup_runtime(4, push_sum=push_sum)
+  runtime = make_layup_runtime(4, push_sum=push_sum, fanout=1)  # one scripted peer a send
   script = [(0, 1), (1, 2), (2, 0), (3, 0), (0, 3), (1, 0), (2, 1), (3, 2)]
   expected = mixing.PushSumWeights(4, 1)  # every stage moves as one weight would
   for device, peer in script:
@@ -445,7 +445,7 @@ def test_a_merge_holds_the_lock_of_everything_it_writes(bn_policy, locks_held):
   model = mlp_model()
   params, state = model.init(jax.random.key(0), np.zeros((2, 64), np.float32))
   store = ReplicaStore(model, optax.sgd(0.1), jax.devices()[:2], params, state,
-                       RuntimeOptions(bn_policy=bn_policy), lock=RecordingLock)
+                       RuntimeOptions.of(bn_policy=bn_policy), lock=RecordingLock)
   during_merge = []
   merge_fn = store.merge_fn
   store.merge_fn = lambda *args: (during_merge.append(len(held)), merge_fn(*args))[1]
