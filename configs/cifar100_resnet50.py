@@ -8,7 +8,7 @@ Needs `cifar100` prepared in the TFDS data dir.
 `:ddp`, `:gosgd`, `:slowmo`, `:co2` take the other columns.
 """
 
-from configs import base
+from layup_jax import defaults
 
 PAPER = {
     "layup": {"optimizer.learning_rate": 0.035, "optimizer.warmup_epochs": 5.0,
@@ -24,12 +24,12 @@ PAPER = {
 
 
 def get_config(algorithm=None):
-  config = base.get_config()
-  base.set_values(config, {
+  config = defaults.get_config()
+  defaults.set_values(config, {
       "num_devices": 3, "model.dtype": "float32",
       "model.name": "resnet50", "model.num_classes": 100, "model.variant": "cifar",
       "data.name": "cifar100", "data.batch_size": 128, "data.eval_batch_size": 500,
       "optimizer.name": "sgd", "optimizer.momentum": 0.9, "optimizer.schedule": "cosine",
       "num_epochs": 100, "eval_every": 390,
   })
-  return base.paper_config(config, PAPER, algorithm)
+  return defaults.paper_config(config, PAPER, algorithm)

@@ -12,7 +12,7 @@ each method's result: docs/results.md, "fashion_mnist_search". DiLoCo averages e
 with an inner AdamW (weight decay 1e-4), as the paper has it.
 """
 
-from configs import base
+from layup_jax import defaults
 
 # Warm-up as a share of the run (1 of its 3 epochs where the search chose one epoch), so that a
 # shorter or longer run (`--config.num_epochs`) keeps each method's searched form.
@@ -32,7 +32,7 @@ PAPER["diloco"] = {"optimizer.name": "adamw", "optimizer.weight_decay": 1e-4,
 
 
 def get_config(algorithm=None):
-  config = base.get_config()
+  config = defaults.get_config()
   config.data.name = "fashion_mnist"
   config.data.batch_size = 32
   config.data.read_threads = 0  # in memory: a batch is one gather
@@ -45,4 +45,4 @@ def get_config(algorithm=None):
   # target (evaluation time is not training time: `measurements.time_to_target`).
   config.eval_every = 35
   config.metrics.target_accuracy = 0.88
-  return base.paper_config(config, PAPER, algorithm)
+  return defaults.paper_config(config, PAPER, algorithm)

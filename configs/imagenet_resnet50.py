@@ -9,7 +9,7 @@ download from image-net.org (the error says how).
 `:ddp`, `:gosgd`, `:slowmo`, `:co2` take the other columns.
 """
 
-from configs import base
+from layup_jax import defaults
 
 PAPER = {
     "layup": {"optimizer.learning_rate": 0.1, "optimizer.warmup_init_lr": 0.03},
@@ -23,8 +23,8 @@ PAPER = {
 
 
 def get_config(algorithm=None):
-  config = base.get_config()
-  base.set_values(config, {
+  config = defaults.get_config()
+  defaults.set_values(config, {
       "num_devices": 3, "model.dtype": "float32",
       "model.name": "resnet50", "model.num_classes": 1000, "model.variant": "imagenet",
       "data.name": "imagenet2012", "data.batch_size": 256, "data.eval_batch_size": 250,
@@ -33,4 +33,4 @@ def get_config(algorithm=None):
       "optimizer.warmup_epochs": 2.0, "optimizer.weight_decay": 1e-4,
       "num_epochs": 90, "eval_every": 625,
   })
-  return base.paper_config(config, PAPER, algorithm)
+  return defaults.paper_config(config, PAPER, algorithm)

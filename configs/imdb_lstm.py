@@ -7,7 +7,7 @@ first 512 kept (the paper does not give a length). Needs `imdb_reviews` prepared
 data dir. `:ddp` takes DDP's column.
 """
 
-from configs import base
+from layup_jax import defaults
 
 PAPER = {
     "layup": {"optimizer.learning_rate": 0.0015},
@@ -16,8 +16,8 @@ PAPER = {
 
 
 def get_config(algorithm=None):
-  config = base.get_config()
-  base.set_values(config, {
+  config = defaults.get_config()
+  defaults.set_values(config, {
       "num_devices": 8, "model.dtype": "float32",
       "model.name": "lstm", "model.num_classes": 2, "model.vocab_size": 257,
       "model.hidden_size": 256, "model.num_layers": 2,
@@ -26,4 +26,4 @@ def get_config(algorithm=None):
       "optimizer.name": "adam", "optimizer.weight_decay": 0.0, "optimizer.schedule": "cosine",
       "num_epochs": 150, "eval_every": 200,
   })
-  return base.paper_config(config, PAPER, algorithm)
+  return defaults.paper_config(config, PAPER, algorithm)

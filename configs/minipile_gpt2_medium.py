@@ -20,7 +20,7 @@ BPE set data.tokenizer to a folder with GPT-2's tokenizer.json; byte-level other
 `:ddp`, `:gosgd`, `:slowmo`, `:co2` take the other columns.
 """
 
-from configs import base
+from layup_jax import defaults
 
 WORKERS = 8  # the paper's C2
 LAYUP = {"optimizer.learning_rate": 0.00075249, "num_steps": round(138_972 / WORKERS),
@@ -38,8 +38,8 @@ PAPER = {
 
 
 def get_config(algorithm=None):
-  config = base.get_config()
-  base.set_values(config, {
+  config = defaults.get_config()
+  defaults.set_values(config, {
       "num_devices": WORKERS, "model.dtype": "float32",
       "model.name": "gpt2", "model.size": "gpt2-medium", "model.vocab_size": 50257,
       "model.max_len": 1024, "model.dropout": 0.0,
@@ -48,4 +48,4 @@ def get_config(algorithm=None):
       "optimizer.name": "adamw", "optimizer.schedule": "cosine",
       "num_steps": 45_539, "eval_every": 1000,
   })
-  return base.paper_config(config, PAPER, algorithm)
+  return defaults.paper_config(config, PAPER, algorithm)

@@ -17,7 +17,7 @@ Fashion-MNIST: the best final test loss of a grid at this budget, one seed
 
 import sysconfig
 
-from configs import base
+from layup_jax import defaults
 
 PAPER = {}
 PAPER["ddp"] = {"optimizer.learning_rate": 3e-3, "optimizer.warmup_fraction": 0.05}
@@ -30,8 +30,8 @@ PAPER["diloco"] = {"optimizer.learning_rate": 3e-3, "optimizer.warmup_fraction":
 
 
 def get_config(algorithm=None):
-  config = base.get_config()
-  base.set_values(config, {
+  config = defaults.get_config()
+  defaults.set_values(config, {
       "num_devices": 8,
       "model.name": "gpt2", "model.size": "mini", "model.vocab_size": 257, "model.max_len": 128,
       "data.name": "text_files", "data.text_dir": sysconfig.get_paths()["stdlib"],
@@ -42,4 +42,4 @@ def get_config(algorithm=None):
       "optimizer.schedule": "cosine",
       "num_steps": 300, "eval_every": 15,
   })
-  return base.paper_config(config, PAPER, algorithm)
+  return defaults.paper_config(config, PAPER, algorithm)

@@ -8,14 +8,14 @@ Any folder of text works the same way: --config.data.text_dir=DIR --config.data.
 
 import sysconfig
 
-from configs import base
+from layup_jax import defaults
 
 PAPER = {"layup": {}, "ddp": {}}  # not a paper experiment: the same values for every algorithm
 
 
 def get_config(algorithm=None):
-  config = base.get_config()
-  base.set_values(config, {
+  config = defaults.get_config()
+  defaults.set_values(config, {
       "num_devices": 4,
       "model.name": "gpt2", "model.size": "tiny", "model.vocab_size": 257, "model.max_len": 128,
       "data.name": "text_files", "data.text_dir": sysconfig.get_paths()["stdlib"],
@@ -25,4 +25,4 @@ def get_config(algorithm=None):
       "optimizer.schedule": "cosine", "optimizer.warmup_steps": 30,
       "num_steps": 300, "eval_every": 100,
   })
-  return base.paper_config(config, PAPER, algorithm)
+  return defaults.paper_config(config, PAPER, algorithm)

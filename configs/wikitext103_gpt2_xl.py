@@ -15,7 +15,7 @@ Needs `huggingface:wikitext/wikitext-103-raw-v1` prepared in the TFDS data dir, 
 `:ddp`, `:gosgd`, `:slowmo`, `:co2` take the other columns.
 """
 
-from configs import base
+from layup_jax import defaults
 
 WORKERS = 4  # the paper's C3
 LAYUP = {"optimizer.learning_rate": 0.0003, "num_steps": round(29_144 / WORKERS),
@@ -32,8 +32,8 @@ PAPER = {
 
 
 def get_config(algorithm=None):
-  config = base.get_config()
-  base.set_values(config, {
+  config = defaults.get_config()
+  defaults.set_values(config, {
       "num_devices": WORKERS, "model.dtype": "float32",
       "model.name": "gpt2", "model.size": "gpt2-xl", "model.vocab_size": 50257,
       "model.max_len": 1024, "model.dropout": 0.0,
@@ -42,4 +42,4 @@ def get_config(algorithm=None):
       "optimizer.name": "adamw", "optimizer.weight_decay": 0.0, "optimizer.schedule": "cosine",
       "num_steps": 7_286, "eval_every": 500,
   })
-  return base.paper_config(config, PAPER, algorithm)
+  return defaults.paper_config(config, PAPER, algorithm)

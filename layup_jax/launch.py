@@ -95,8 +95,20 @@ def _shell_status(returncode: int) -> int:
   return returncode if returncode >= 0 else 128 - returncode
 
 
+USER_ERROR = 2  # a training process's exit status for a bad input, said in its own line
+_errors_shown: set[str] = set()  # "error: ..." lines one process printed already
+_errors_lock = threading.Lock()
+
+
 def _relay(process: subprocess.Popen, prefix: str) -> None:
+  """Copies a process's output, prefixed; an `error:` line another process printed already
+  (every process refuses a bad config alike) is shown once."""
   for line in process.stdout:
+    if line.startswith("error:"):
+      with _errors_lock:
+        if line in _errors_shown:
+          continue
+        _errors_shown.add(line)
     sys.stdout.write(prefix + line if prefix else line)
     sys.stdout.flush()
 
@@ -147,8 +159,9 @@ def run(processes: int, devices_per_process: int, train_args: list[str],
     nonlocal status
     if not status:
       status = code
-      print(f"launch: {why}; stopping the others (rerun the same command to resume from the "
-            f"last checkpoint)", file=sys.stderr, flush=True)
+      if code != USER_ERROR:  # a bad input: the process's own line said why
+        print(f"launch: {why}; stopping the others (rerun the same command to resume from "
+              f"the last checkpoint)", file=sys.stderr, flush=True)
       for child in children:
         if child.poll() is None:
           child.kill()

@@ -9,6 +9,7 @@ re-running the same command resumes. A second Ctrl-C stops at once without savin
 import os
 import signal
 import sys
+import traceback
 
 # Eight fake CPU devices unless the user chose a number; this must precede the first JAX import.
 # It only shapes the host platform: GPUs are listed first when present.
@@ -20,11 +21,25 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from configs.base import RENAMED
+from layup_jax.defaults import RENAMED
 from layup_jax.errors import RejoinError, UserError
 from layup_jax.platform import allocator
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file in configs/.",
+USAGE = """usage: python -m layup_jax.train --config FILE[:ALGORITHM] [--config.KEY=VALUE ...]
+                                 [--workdir DIR]
+
+Trains the config's model and writes metrics.jsonl, summary.json and checkpoints to DIR (default
+runs/default); the same command again resumes from DIR's newest checkpoint. SIGTERM or Ctrl-C
+saves a checkpoint and exits 0; a second Ctrl-C stops at once.
+
+  --config FILE[:ALGORITHM]  a config file (configs/digits.py, ...); :ALGORITHM takes that
+                             algorithm's column of the file's hyper-parameters (:ddp)
+  --config.KEY=VALUE         sets one key, e.g. --config.num_steps=100 (every key and its
+                             meaning: docs/reference/settings.md)
+  --workdir DIR              where the run's records and checkpoints go
+  -h, --help                 this text"""
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/<name>.py).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Where metrics and summaries go.")
 flags.mark_flags_as_required(["config"])
@@ -40,30 +55,70 @@ def _fail_config_file(error: OSError) -> None:
   _fail(f"cannot load the config file: {attempts[-1] if attempts else error}")
 
 
+def _config_path(argv: list[str]) -> str | None:
+  """The config file named on the command line (without its `:column`), or None."""
+  for k, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1].split(":")[0]
+    if arg == "--config" and k + 1 < len(argv):
+      return argv[k + 1].split(":")[0]
+  return None
+
+
+def _in_config_file(error: BaseException, path: str | None) -> str | None:
+  """`PATH line N` where `error` was raised while the config file ran, else None."""
+  if path is None:
+    return None
+  where = os.path.realpath(path)
+  if isinstance(error, SyntaxError) and error.filename and os.path.realpath(error.filename) == where:
+    return f"{path} line {error.lineno}"
+  lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
+           if os.path.realpath(frame.filename) == where]
+  return f"{path} line {lines[-1]}" if lines else None
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's parsing, with a config override that names no key (or a wrong type) in one line."""
+  """absl's parsing, with a config override that names no key (or a wrong type), a config file
+  that fails to run or has no `get_config`, in one line; `--help` prints the usage and exits 0."""
+  if any(arg in ("-h", "--help", "--helpshort", "--helpfull") for arg in argv[1:]):
+    print(USAGE)
+    sys.exit(0)
+  path = _config_path(argv)
   try:
     return flags.FLAGS(argv)
-  except flags.Error as error:
+  except Exception as error:  # noqa: BLE001 - every failure here is one line
+    where = _in_config_file(error, path)
+    if where is not None:
+      _fail(f"the config file failed: {where}: {type(error).__name__}: {error}")
+    if isinstance(error, AttributeError) and "get_config" in str(error):
+      _fail(f"the config file {path} has no get_config() (it defines get_config() returning "
+            "an ml_collections.ConfigDict, as configs/digits.py does)")
+    _fail_parse(error, argv)
+  raise AssertionError("unreachable")
+
+
+def _fail_parse(error: Exception, argv: list[str]) -> None:
+  """One line for a command line absl or the config flag refused."""
+  if isinstance(error, flags.Error):
     lines = [line for line in str(error).splitlines() if line.strip()]
     if "Traceback" in str(error):  # an exception inside the config file: its last line says why
       _fail(f"{lines[0]} {lines[-1]}")
     _fail(lines[0])
-  except OSError as error:
+  if isinstance(error, OSError):
     _fail_config_file(error)
-  except (AttributeError, KeyError, TypeError, ValueError) as error:
-    detail = " ".join(str(error).replace("\\n", " ").replace("\\'", "").strip("'\"").split())
-    overrides = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]
-    key = next((o for o in overrides if o.rsplit(".", 1)[-1] in detail), None)
-    moved = RENAMED.get((key or "").removeprefix("config."))
-    if isinstance(error, (AttributeError, KeyError)) and moved:
-      _fail(f"config key {key} is now config.{moved} (--config.{moved}=...)")
-    if isinstance(error, (AttributeError, KeyError)) and key:
-      hint = detail.split("?")[0].split("Did you mean")[-1] if "Did you mean" in detail else ""
-      suggestion = f" (did you mean{hint}?)" if hint else ""
-      _fail(f"unknown config key {key}{suggestion}; every key is listed in configs/base.py")
-    _fail(f"bad config override {key or ''}: {detail}")
-  raise AssertionError("unreachable")
+  if not isinstance(error, (AttributeError, KeyError, TypeError, ValueError)):
+    _fail(f"cannot read the command line: {type(error).__name__}: {error}")
+  detail = " ".join(str(error).replace("\\n", " ").replace("\\'", "").strip("'\"").split())
+  overrides = [a.split("=")[0][2:] for a in argv[1:] if a.startswith("--config.")]
+  key = next((o for o in overrides if o.rsplit(".", 1)[-1] in detail), None)
+  moved = RENAMED.get((key or "").removeprefix("config."))
+  if isinstance(error, (AttributeError, KeyError)) and moved:
+    _fail(f"config key {key} is now config.{moved} (--config.{moved}=...)")
+  if isinstance(error, (AttributeError, KeyError)) and key:
+    hint = detail.split("?")[0].split("Did you mean")[-1] if "Did you mean" in detail else ""
+    suggestion = f" (did you mean{hint}?)" if hint else ""
+    _fail(f"unknown config key {key}{suggestion}; every key is listed in layup_jax/defaults.py")
+  _fail(f"bad config override {key or ''}: {detail}")
 
 
 class StopRequest:

@@ -62,8 +62,16 @@
 # Either way, every other tree is measured with this tree's bench_host.py and bench_step.py, and
 # the module they import (layup_jax/measure/bench_options.py, copied into that tree's
 # layup_jax/measure/ where it has that folder: an older checkout has no copy of its own).
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the comment above is the usage
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
+  exit 0
+fi
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [[ -n "${1:-}" && "$1" != rounds && ! -d "$1/layup_jax" ]]; then
+  echo "error: BEFORE must be another checkout of the project (a folder with layup_jax/), not $1; bash scripts/bench_gpu.sh --help says more" >&2
+  exit 2
+fi
 mkdir -p "${OUT:-bench_gpu_out}"
 out=$(cd "${OUT:-bench_gpu_out}" && pwd)
 export PYTHONUNBUFFERED=1
@@ -79,8 +87,14 @@ if [[ "${1:-}" == rounds ]]; then
     echo "error: usage: bash scripts/bench_gpu.sh rounds HOST_BEFORE HOST_ROUNDS STEP_BEFORE STEP_ROUNDS" >&2
     exit 2
   fi
-  work=$(mktemp -d)
   host_before=$2 host_rounds=$3 step_before=$4 step_rounds=$5
+  for tree in "$host_before" "$step_before"; do
+    if [[ ! -d "$tree/layup_jax" ]]; then
+      echo "error: $tree is not a checkout of the project (no layup_jax/ in it)" >&2
+      exit 2
+    fi
+  done
+  work=$(mktemp -d)
   for tree in "$host_before" "$step_before"; do
     carry_harness "$tree"
   done
@@ -218,9 +232,9 @@ if [[ "${ATTENTION:-0}" == 1 ]]; then
   # cuDNN's 0.038, and the two bf16 paths 0.040 from each other, over 2e-2.
   run attention_check 90 python3 -c "
 import jax, numpy as np
-from configs import base
+from layup_jax import defaults
 from layup_jax import models
-config = base.get_config().model
+config = defaults.get_config().model
 config.update({'name': 'gpt2', 'size': 'gpt2', 'max_len': 1024})
 tokens = np.random.default_rng(0).integers(0, config.vocab_size, (4, 1024)).astype(np.int32)
 out = {}

@@ -160,7 +160,8 @@ import jax
 import numpy as np
 import optax
 
-from configs import base, digits
+from configs import digits
+from layup_jax import defaults
 from layup_jax import algorithms, data, models, optim
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
@@ -232,7 +233,7 @@ def set_tuning(config, name: str, value) -> None:
 
 def bench_config(algorithm: str, num_devices: int, fuse: bool = True,
                  updater_thread: bool = True, pin: str = "off", chain: bool = False):
-  config = base.get_config()
+  config = defaults.get_config()
   config.algorithm, config.num_devices = algorithm, num_devices
   set_tuning(config, "fuse_local_step", fuse)
   set_tuning(config, "updater_thread", updater_thread)
@@ -728,7 +729,7 @@ def build(num_devices: int, gossip: bool = True, case: str = "digits", ahead: in
 
 
 def build_resnet18(num_devices: int, gossip: bool):
-  config = base.get_config()
+  config = defaults.get_config()
   config.model.name, config.model.num_classes, config.data.batch_size = "resnet18", 100, 32
   config.num_devices, config.layup.gossip, config.metrics.latency_every = num_devices, gossip, 0
   model = models.make_model(config.model)

@@ -55,12 +55,12 @@ def device_bytes(devices) -> dict:
 def measure(case: str, algorithm: str, num_devices: int, steps: int) -> dict:
   """Runs in the child process: trains and returns the peaks per device."""
 
-  from configs import base
+  from layup_jax import defaults
   from layup_jax import algorithms, data, models, optim
   from layup_jax.algorithms.base import init_model
   from layup_jax.data.pipeline import random_image_batches
 
-  config = base.get_config()
+  config = defaults.get_config()
   config.algorithm, config.num_devices = algorithm, num_devices
   for key, value in CASES[case][0].items():
     section, name = key.split(".")

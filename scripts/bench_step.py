@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import data, models, optim
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
@@ -91,7 +91,7 @@ CASES = {  # "iters": iterations per timed block (short: the sides alternate oft
 
 
 def case_config(case: str):
-  config = base.get_config()
+  config = defaults.get_config()
   extras = {}
   for key, value in CASES[case].items():
     if "." not in key:
@@ -217,8 +217,9 @@ def bench_case(case: str, repeats: int, iters: int | None, sides=SIDES,
 
   def runtime(pack: bool, fuse: bool = True, ahead: int = 1, remat: str = "dots",
               chain: bool = False) -> AsyncRuntime:
-    options = RuntimeOptions(seed=config.seed, pack_stages=pack, fuse_local_step=fuse,
-                             max_dispatch_ahead=ahead, remat=remat, chain_forwards=chain)
+    options = RuntimeOptions.from_config(config).replace(
+        pack_stages=pack, fuse_local_step=fuse, max_dispatch_ahead=ahead, remat=remat,
+        chain_forwards=chain)
     built = AsyncRuntime(model, tx, [device], [train], params, state, example, LayUp, options)
     built.compile()
     return built

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 
-from configs import base
+from layup_jax import defaults
 from layup_jax.measure import bench_options, provenance
 from layup_jax.run import runner
 
@@ -54,7 +54,7 @@ def main() -> None:
   for repeat in range(args.repeats):
     for algorithm in args.algorithms:
       for delay in args.delays:
-        config = base.get_config()
+        config = defaults.get_config()
         config.algorithm = algorithm.removesuffix("-nogossip")
         config.num_devices = args.num_devices
         config.layup.gossip = not algorithm.endswith("-nogossip")

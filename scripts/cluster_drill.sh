@@ -27,6 +27,10 @@
 # namespaces exists. Exits with the first failing process's status, naming it on stderr; any
 # other early exit says why in one line on stderr (a refusal, an interrupt, or the command that
 # failed and its line).
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the comment above is the usage
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
+  exit 0
+fi
 set -Eeuo pipefail
 me=cluster_drill.sh
 # A command that fails where nothing expects it ends the script (set -e): the line says which.

@@ -16,6 +16,10 @@
 # 2-core development machine a run of its config (3 epochs) takes 3-4 min. METHODS="gosgd
 # slowmo" limits search, main and stragglers to those methods, SEEDS="0" the stragglers to those
 # seeds.
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the comment above is the usage
+  sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
+  exit 0
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"

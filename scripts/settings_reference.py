@@ -1,9 +1,9 @@
-"""docs/reference/settings.md from configs/base.py: every key, its default and its meaning.
+"""docs/reference/settings.md from layup_jax/defaults.py: every key, its default and its meaning.
 
   python scripts/settings_reference.py          # writes docs/reference/settings.md
-  python scripts/settings_reference.py --check  # exit 1 if the page is not what base.py gives
+  python scripts/settings_reference.py --check  # exit 1 if the page is not what defaults.py gives
 
-A key's meaning is the comment right above its line in configs/base.py (no blank line between)
+A key's meaning is the comment right above its line in layup_jax/defaults.py (no blank line between)
 and the comment beside it; a section's is the comment above `config.<section> = ConfigDict()`.
 tests/test_settings_reference.py fails when a key has no meaning or the page is out of date.
 """
@@ -16,11 +16,11 @@ import sys
 import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BASE = ROOT / "configs" / "base.py"
+BASE = ROOT / "layup_jax" / "defaults.py"
 PAGE = ROOT / "docs" / "reference" / "settings.md"
 _HEADER = """# Settings
 
-Every key of `configs/base.py`, its default and its meaning; generated from that file by
+Every key of `layup_jax/defaults.py`, its default and its meaning; generated from that file by
 `python scripts/settings_reference.py` (edit the comments there, not this page). Set a key in an
 experiment config, or on the command line: `--config.<key>=<value>`. The `tuning` section holds
 the runtime's host-side knobs: each default serves every workload measured, and no experiment

@@ -17,7 +17,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 import jax
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax.platform import compat
 
 # As a run keys them (`compile_cache.enable`): a stage's program compiled for one device is read
@@ -35,7 +35,7 @@ def tiny_config():
   compiles and dispatches about a third fewer programs per run, which keeps CI within its time.
   Tests of the default granularity set it themselves (test_train.py, test_models.py).
   """
-  config = base.get_config()
+  config = defaults.get_config()
   config.model.widths = (4, 8, 8)
   config.model.granularity = "per_block"
   config.num_steps = 20

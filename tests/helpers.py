@@ -75,7 +75,7 @@ def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_s
   params, state = model.init(jax.random.key(seed), example.inputs)
   tx = tx or optax.sgd(learning_rate, momentum=0.9)
   return AsyncRuntime(model, tx, jax.devices()[:num_devices], iterators, params, state, example,
-                      exchange or LayUp, RuntimeOptions(seed=seed, **options))
+                      exchange or LayUp, RuntimeOptions.of(seed=seed, **options))
 
 
 class Hidden(nn.Module):

@@ -45,8 +45,9 @@ def _as_whole(stages):
 
 def test_gosgd_equals_layup_with_the_whole_model_as_one_stage():
   # Unpacked stages (`pack_stages=False`), to rearrange the stage pytrees into one.
-  staged = make_layup_runtime(4, model=plain_mlp(), exchange=GoSGD, pack_stages=False)
-  whole = make_layup_runtime(4, model=StagedModel([_Whole()]), pack_stages=False)
+  # One scripted peer per iteration (`layup.fanout=1`): GoSGD sends the whole model to one.
+  staged = make_layup_runtime(4, model=plain_mlp(), exchange=GoSGD, pack_stages=False, fanout=1)
+  whole = make_layup_runtime(4, model=StagedModel([_Whole()]), pack_stages=False, fanout=1)
   for a, b in zip(staged.replicas, whole.replicas):  # the same initial values
     b.params[0] = _as_whole(a.params)
     b.opt_state[0] = jax.jit(optax.sgd(0.05, momentum=0.9).init)(b.params[0])

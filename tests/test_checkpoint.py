@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax.algorithms import periodic
 from layup_jax.algorithms.outer import CO2Outer
 from layup_jax.algorithms.periodic import make_exchange
@@ -435,14 +435,14 @@ def test_a_checkpoint_written_before_a_key_existed_resumes_at_its_default_not_at
     tmp_path):
   """A key added later (here `model.attention`) is absent from an older checkpoint's config: that
   run behaved as the default does, so only a value other than the default stops the resume."""
-  current = base.get_config()
+  current = defaults.get_config()
   saved = json.loads(current.to_json_best_effort())
   del saved["model"]["attention"]
   checks.check_compatible(json.dumps(saved), current.to_json_best_effort(), tmp_path)  # no error
   current.model.attention = "xla"
   with pytest.raises(ConfigError, match=r"model\.attention=.*'xla'"):
     checks.check_compatible(json.dumps(saved), current.to_json_best_effort(), tmp_path)
-  current.model.attention = base.get_config().model.attention
+  current.model.attention = defaults.get_config().model.attention
   # `layup.fanout` came with one peer, the default later became two: a checkpoint without the
   # key ran one peer, which a resume at two is warned of (not structural).
   del saved["layup"]["fanout"]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import data
 from layup_jax.run.validation import ConfigError, validate_config
 from layup_jax.runtime.options import CONFIG_KEYS, RuntimeOptions
@@ -98,6 +98,32 @@ def test_the_cli_reports_a_bad_override_in_one_line(tmp_path, override, message)
   assert len(lines) == 1 and lines[0].startswith(message), result.stderr
 
 
+@pytest.mark.parametrize("text, message", [
+    ("not python\n", "error: the config file failed: {path} line 1: NameError: name 'python'"),
+    ("def get_config(:\n", "error: the config file failed: {path} line 1: SyntaxError"),
+    ("x = 1\n", "error: the config file {path} has no get_config()"),
+    ("def get_config():\n  return {}['nope']\n",
+     "error: the config file failed: {path} line 2: KeyError: 'nope'"),
+])
+def test_a_config_file_that_fails_or_has_no_get_config_is_one_line(tmp_path, text, message):
+  path = tmp_path / "mine.py"
+  path.write_text(text)
+  result = subprocess.run(
+      [sys.executable, "-m", "layup_jax.train", "--config", str(path), f"--workdir={tmp_path}"],
+      capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(message.format(path=path)), result.stderr
+
+
+def test_train_help_prints_the_usage_and_exits_0():
+  for flag in ("--help", "-h"):
+    result = subprocess.run([sys.executable, "-m", "layup_jax.train", flag], capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 0 and result.stdout.startswith(
+        "usage: python -m layup_jax.train --config FILE[:ALGORITHM]"), result.stderr
+
+
 def test_the_cli_says_in_one_line_how_to_prepare_a_missing_dataset(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "layup_jax.train", "--config", "configs/cifar100_resnet18.py",
@@ -112,7 +138,7 @@ def test_the_cli_says_in_one_line_how_to_prepare_a_missing_dataset(tmp_path):
 
 
 def test_runtime_options_are_built_from_the_config_keys():
-  config = base.get_config()
+  config = defaults.get_config()
   config.layup.push_sum, config.straggler.mode = "per_model", "device"
   config.metrics.latency_every = 3
   options = RuntimeOptions.from_config(config)

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import data
 from layup_jax.errors import ConfigError
 from layup_jax.run import runner
@@ -68,7 +68,7 @@ def test_an_algorithm_without_a_column_runs_the_configs_values_and_says_so_in_on
   module = importlib.import_module("configs.cifar100_resnet18")
   config = module.get_config("local_sgd")  # the paper gives no Local SGD column for CIFAR
   assert (config.algorithm, config.column) == ("local_sgd", "")
-  assert config.optimizer.learning_rate == base.get_config().optimizer.learning_rate
+  assert config.optimizer.learning_rate == defaults.get_config().optimizer.learning_rate
   validate_config(config, 8)
   (note,) = column_notes(config)
   assert "no hyper-parameter column for local_sgd (it has co2, ddp, gosgd, layup, slowmo)" in note

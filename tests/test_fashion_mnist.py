@@ -4,7 +4,7 @@ to get them. The files here are written by the test (random images), not the rea
 import numpy as np
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import data
 from layup_jax.data import fashion_mnist
 from layup_jax.errors import DataError
@@ -23,7 +23,7 @@ def test_the_idx_files_are_read_as_images_in_0_1_and_int32_labels(tmp_path, gzip
 
 def test_the_dataset_shards_the_train_split_over_the_devices(tmp_path):
   write_fashion_mnist(tmp_path, num_train=64, num_test=16)
-  config = base.get_config().data
+  config = defaults.get_config().data
   config.name, config.data_dir, config.batch_size = "fashion_mnist", str(tmp_path), 4
   dataset = data.make_dataset(config, 4, seed=0)
   assert dataset.num_train == 64 and dataset.steps_per_epoch == 4  # 64 / (4 devices x 4)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import models
 from layup_jax.models import gpt2_import
 
@@ -65,7 +65,7 @@ def numpy_gpt2_logits(t, tokens):
 
 
 def tiny_config(directory, granularity="per_block"):
-  config = base.get_config().model
+  config = defaults.get_config().model
   config.update({"name": "gpt2", "size": "tiny", "vocab_size": VOCAB, "max_len": CTX,
                      "granularity": granularity, "pretrained": str(directory)})
   return config
@@ -107,7 +107,7 @@ def test_a_missing_checkpoint_and_a_wrong_size_say_so(tmp_path):
 
 
 def _tiny(vocab_multiple, attention="auto"):
-  config = base.get_config().model
+  config = defaults.get_config().model
   config.update({"name": "gpt2", "size": "tiny", "vocab_size": VOCAB, "max_len": CTX,
                  "vocab_multiple": vocab_multiple, "attention": attention})
   return config

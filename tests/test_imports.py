@@ -48,19 +48,20 @@ def test_every_module_imports_on_its_own():
 
 # Which packages each package may import (its `__init__` docstring says the same): a DAG, so
 # imports run one way and no cycle can form between packages. Top-level modules are their own
-# entries; `configs` is the schema, readable from anywhere.
+# entries; `defaults` is the schema of the config, imported by what reads a config's keys.
 _MAY_IMPORT = {
-    "errors": set(), "optim": set(), "platform": {"errors"}, "pushsum": set(),
-    "models": set(), "data": {"errors"}, "measure": {"models", "platform"},
+    "errors": set(), "optim": set(), "platform": {"errors"}, "pushsum": set(), "defaults": set(),
+    "models": {"defaults"}, "data": {"errors"}, "measure": {"models", "platform"},
     "multiprocess": {"errors", "platform"},
-    "checkpoint": {"errors", "platform", "multiprocess"},
+    "checkpoint": {"errors", "platform", "multiprocess", "defaults"},
     "runtime": {"errors", "platform", "pushsum", "models", "data", "measure", "multiprocess",
-                "checkpoint"},
+                "checkpoint", "defaults"},
     "algorithms": {"errors", "optim", "platform", "pushsum", "models", "data", "measure",
                    "multiprocess", "checkpoint", "runtime"},
     "run": {"errors", "optim", "platform", "pushsum", "models", "data", "measure",
-            "multiprocess", "checkpoint", "runtime", "algorithms"},
-    "train": {"errors", "platform", "multiprocess", "checkpoint", "algorithms", "run"},
+            "multiprocess", "checkpoint", "runtime", "algorithms", "defaults"},
+    "train": {"errors", "platform", "multiprocess", "checkpoint", "algorithms", "run",
+              "defaults"},
     "launch": set(),
 }
 
@@ -111,3 +112,45 @@ def test_the_allowed_imports_have_no_cycle():
   for package in sorted(_MAY_IMPORT):
     visit(package)
   assert len(order) == len(_MAY_IMPORT)
+
+
+def test_the_library_imports_nothing_from_configs():
+  """configs/ holds experiments: no module of the package imports it, so a user's own
+  configs/ (say, a configs/base.py of their own) cannot shadow the library's defaults."""
+  import ast
+
+  importers = []
+  for path in sorted((ROOT / "layup_jax").rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+               else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+      if any(name.split(".")[0] == "configs" for name in names):
+        importers.append(str(path.relative_to(ROOT)))
+  assert importers == []
+
+
+def test_a_folder_with_its_own_configs_package_trains_as_usual(tmp_path):
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "__init__.py").write_text("")
+  (tmp_path / "configs" / "base.py").write_text("raise ImportError('not the library')\n")
+  done = subprocess.run(
+      [sys.executable, "-m", "layup_jax.train", "--config", str(ROOT / "configs" / "digits.py"),
+       "--workdir", str(tmp_path / "run"), "--config.num_steps=2", "--config.eval_every=0",
+       "--config.checkpoint.enabled=False", "--config.progress_bar=False"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+      env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert json.loads((tmp_path / "run" / "summary.json").read_text())["num_steps"] == 2
+
+
+def test_the_wheel_installs_the_package_and_no_top_level_configs(tmp_path):
+  import zipfile
+
+  done = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q",
+                         "-w", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                        check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  (wheel,) = tmp_path.glob("layup_jax-*.whl")
+  tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+  assert "layup_jax" in tops and "configs" not in tops
+  assert {t for t in tops if not t.startswith("layup_jax")} == set(), tops

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import models
 from layup_jax.algorithms.ddp import DDPRuntime
 from layup_jax.algorithms.layup import LayUp
@@ -30,7 +30,7 @@ def test_parameter_counts_match_the_published_ones(name):
 
 def tiny(name: str, **overrides):
   """A config.model small enough for CPU tests, and a batch generator for it."""
-  config = base.get_config().model
+  config = defaults.get_config().model
   config.name = name
   # A stage per block, as before LayUp's default became per layer: the cases that need per-layer
   # stages name it (a ResNet-50 per layer compiles about 50 stage programs per test).
@@ -104,7 +104,7 @@ def test_one_layup_and_one_ddp_step_on_two_devices(config):
   tx = optax.sgd(0.1)
 
   layup = AsyncRuntime(model, tx, devices, _iterators(config, 2), params, state, example, LayUp,
-                       RuntimeOptions())
+                       RuntimeOptions.of())
   layup.compile()
   layup.run_until(4, lambda _: None)
   layup.close()
@@ -151,7 +151,7 @@ def test_tied_embedding_gets_both_stages_gradients_and_stays_one_array():
   # After LayUp iterations each replica holds the matrix once, in stage 0, with stages stored
   # packed (the consumer cuts it out of stage 0's vector) or as pytrees, and both agree.
   runtimes = [AsyncRuntime(model, optax.sgd(0.1), jax.devices()[:2], _iterators(config, 2),
-                           params, state, batch, LayUp, RuntimeOptions(pack_stages=pack))
+                           params, state, batch, LayUp, RuntimeOptions.of(pack_stages=pack))
               for pack in (True, False)]
   for runtime in runtimes:
     runtime.iterate_serial(0, 1)

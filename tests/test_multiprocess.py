@@ -13,7 +13,8 @@ import time
 import jax
 import pytest
 
-from configs import base, digits
+from configs import digits
+from layup_jax import defaults
 from layup_jax import launch, models
 from layup_jax.data.digits import load_digits
 from layup_jax.errors import ConfigError
@@ -174,6 +175,19 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_a_checkpoi
 
 
 @pytest.mark.multiprocess
+def test_under_the_launcher_too_few_devices_is_one_line_that_names_devices_per_process(
+    tmp_path):
+  done = subprocess.run(_launcher(tmp_path, {"num_devices": 8}, devices_per_process=2),
+                        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 2, _tail(done.stdout) + _tail(done.stderr)
+  errors = [line for line in (done.stdout + done.stderr).splitlines() if "error:" in line]
+  assert len(errors) == 1 and errors[0].split("error: ")[1].startswith(
+      "config.num_devices=8: must be between 1 and the 4 devices of the run's 2 processes "
+      "(python -m layup_jax.launch --devices-per-process D"), errors
+  assert "XLA_FLAGS" not in done.stdout + done.stderr and "launch:" not in done.stderr
+
+
+@pytest.mark.multiprocess
 def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_path):
   """Processes started by hand (as a cluster's starter does): process 1 is killed; process 0's
   watchdog names it within 30 s and exits with status 4, and no successful run is cut short
@@ -226,7 +240,7 @@ def test_layup_across_two_processes_stops_on_a_kill_and_one_process_reads_its_ch
   assert at_80["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
   assert at_80["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
   config = digits.get_config()
-  base.set_values(config, {**settings, "num_steps": 80,
+  defaults.set_values(config, {**settings, "num_steps": 80,
                            "restore": str(work / "checkpoints" / "80")})
   one = runner.run(config, tmp_path / "one")
   assert one["resumed_from_step"] == 80
@@ -244,8 +258,8 @@ def test_local_sgd_across_two_processes_averages_as_one_process(tmp_path):
               "checkpoint.enabled": False, "progress_bar": False}
   two = tmp_path / "two"
   _launch_to_the_end(two, settings)
-  config = base.get_config()
-  base.set_values(config, {**settings, "model.widths": (4, 8, 8)})
+  config = defaults.get_config()
+  defaults.set_values(config, {**settings, "model.widths": (4, 8, 8)})
   runner.run(config, tmp_path / "one")
   across, one = _losses(two), _losses(tmp_path / "one")
   assert [(s, k) for s, k, _ in across] == [(s, k) for s, k, _ in one] and len(one) == 5
@@ -275,8 +289,8 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
   resumed = {"two": tmp_path / "two", "one": tmp_path / "one"}
   for workdir, extra in [(whole, {}), (resumed["two"], {"restore": checkpoint})]:
     _launch_to_the_end(workdir, {**settings, **extra})
-  config = base.get_config()
-  base.set_values(config, {**settings, "model.widths": (4, 8, 8), "restore": str(checkpoint)})
+  config = defaults.get_config()
+  defaults.set_values(config, {**settings, "model.widths": (4, 8, 8), "restore": str(checkpoint)})
   runner.run(config, resumed["one"])
   uninterrupted = [r for r in _losses(whole) if r[0] > 10]
   assert [(s, k) for s, k, _ in uninterrupted] == [(12, "train"), (12, "test"), (24, "train"),
@@ -407,8 +421,8 @@ def test_the_launcher_starts_a_killed_process_again_while_process_0_runs(monkeyp
      "process_id=2 must be in [0, num_processes=2)"),
 ])
 def test_a_bad_distributed_setting_is_one_line(keys, message):
-  config = base.get_config().distributed
-  base.set_values(config, keys)
+  config = defaults.get_config().distributed
+  defaults.set_values(config, keys)
   with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")
                      .replace(")", r"\)")):
     setup.settings(config)
@@ -422,8 +436,8 @@ def test_distributed_keys_without_a_distributed_process_are_refused(tiny_config,
 
 
 def test_no_coordinator_is_a_single_process_run():
-  assert setup.settings(base.get_config().distributed) is None
-  assert setup.initialize(base.get_config().distributed) is False
+  assert setup.settings(defaults.get_config().distributed) is None
+  assert setup.initialize(defaults.get_config().distributed) is False
 
 
 def test_a_transfer_server_that_cannot_start_is_one_line():

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import optim
 from layup_jax.algorithms.gossip import ADPSGD, GoSGD
 from layup_jax.algorithms.periodic import make_exchange
@@ -87,7 +87,7 @@ def test_packed_stages_train_exactly_as_pytree_stages():
 
 @pytest.mark.parametrize("push_sum", ["per_stage", "per_model"])
 def test_scripted_peer_sequence_moves_the_weights_as_push_sum_and_keeps_their_sums(push_sum):
-  runtime = make_layup_runtime(4, push_sum=push_sum)
+  runtime = make_layup_runtime(4, push_sum=push_sum, fanout=1)  # one scripted peer a send
   script = [(0, 1), (1, 2), (2, 0), (3, 0), (0, 3), (1, 0), (2, 1), (3, 2)]
   expected = mixing.PushSumWeights(4, 1)  # every stage moves as one weight would
   for device, peer in script:
@@ -300,7 +300,7 @@ def test_no_device_trains_at_learning_rate_zero_before_the_run_ends():
   # the others, so they do most iterations. The schedule is driven by the run's global step
   # (iterations started by all, over the device count), so every update of the run has a
   # learning rate above 0 and the straggler's last updates are at the end of the schedule too.
-  config = base.get_config().optimizer
+  config = defaults.get_config().optimizer
   config.schedule, config.learning_rate = "cosine", 0.05
   num_steps = 30
   tx = optim.make_optimizer(config, num_steps)
@@ -345,7 +345,7 @@ def test_the_step_driven_optimizers_equal_optax_with_its_own_count():
   params = {"w": jnp.arange(4.0), "b": jnp.ones(2)}
   grads = {"w": jnp.array([0.5, -1.0, 2.0, 0.1]), "b": jnp.array([0.3, -0.2])}
   for name in ("sgd", "adam", "adamw"):
-    config = base.get_config().optimizer
+    config = defaults.get_config().optimizer
     config.name, config.warmup_steps = name, 2
     ours, schedule = optim.make_optimizer(config, 10), optim.make_schedule(config, 10)
     theirs = {"sgd": optax.chain(optax.add_decayed_weights(config.weight_decay),
@@ -445,7 +445,7 @@ def test_a_merge_holds_the_lock_of_everything_it_writes(bn_policy, locks_held):
   model = mlp_model()
   params, state = model.init(jax.random.key(0), np.zeros((2, 64), np.float32))
   store = ReplicaStore(model, optax.sgd(0.1), jax.devices()[:2], params, state,
-                       RuntimeOptions(bn_policy=bn_policy), lock=RecordingLock)
+                       RuntimeOptions.of(bn_policy=bn_policy), lock=RecordingLock)
   during_merge = []
   merge_fn = store.merge_fn
   store.merge_fn = lambda *args: (during_merge.append(len(held)), merge_fn(*args))[1]

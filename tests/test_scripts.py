@@ -4,7 +4,9 @@ judges and records its runs."""
 
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
 
 import pytest
 
@@ -88,3 +90,24 @@ def test_a_sweep_needs_a_workdir_but_every_algorithm_does_not(monkeypatch, tmp_p
   assert [(r["algorithm"], r["form"]) for r in record["rows"]][:2] == [
       ("layup", "suffix"), ("layup", "override")]
   assert "| layup | 0.9700 | 0.9700 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.sh")))
+def test_every_shell_script_prints_its_usage_for_help_and_exits_0(script, tmp_path):
+  for flag in ("--help", "-h"):
+    done = subprocess.run(["bash", str(SCRIPTS / script), flag], capture_output=True, text=True,
+                          timeout=60, check=False, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() and "usage" not in done.stderr.lower()
+    assert not done.stdout.startswith(("#", "!")), done.stdout[:200]
+  assert list(tmp_path.iterdir()) == []  # ran nothing, wrote nothing
+
+
+def test_bench_gpu_refuses_a_before_tree_that_is_not_a_checkout_in_one_line(tmp_path):
+  done = subprocess.run(["bash", str(SCRIPTS / "bench_gpu.sh"), str(tmp_path / "nowhere")],
+                        capture_output=True, text=True, timeout=60, check=False,
+                        env={**os.environ, "OUT": str(tmp_path / "out")})
+  assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+  assert done.stderr.startswith("error: BEFORE must be another checkout of the project")
+  assert not (tmp_path / "out").exists()
+

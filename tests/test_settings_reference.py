@@ -1,10 +1,10 @@
-"""The settings reference is generated from configs/base.py: every key has a line that says
+"""The settings reference is generated from layup_jax/defaults.py: every key has a line that says
 what it means, and the page in docs/ is what the file gives today."""
 
 import importlib.util
 import pathlib
 
-from configs import base
+from layup_jax import defaults
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("settings_reference",
@@ -24,7 +24,7 @@ def _keys(config, prefix=""):
 def test_every_key_of_the_config_has_a_line_with_its_meaning():
   rows = {row["key"]: row for row in reference.settings(reference.BASE.read_text())
           if not row["section"] or row["key"] == "columns"}
-  keys = list(_keys(base.get_config()))
+  keys = list(_keys(defaults.get_config()))
   assert sorted(rows) == sorted(keys)
   assert [key for key in keys if not rows[key]["meaning"]] == []
   page = reference.PAGE.read_text()

@@ -7,7 +7,7 @@ dataset prepared, does the split exist — run as they would on a prepared data 
 import numpy as np
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import data
 from layup_jax.data import sources, vision
 from layup_jax.errors import DataError
@@ -19,7 +19,7 @@ TFDS_NAMES = {name: spec.tfds_name for name, spec in data.DATASETS.items() if sp
 
 @pytest.fixture
 def data_config(tmp_path):
-  config = base.get_config().data
+  config = defaults.get_config().data
   config.data_dir, config.token_cache_dir = str(tmp_path), ""
   config.batch_size, config.seq_len, config.image_size, config.eval_resize = 4, 16, 32, 36
   config.read_threads, config.eval_batch_size = 2, 4

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from configs import base
+from layup_jax import defaults
 from layup_jax.run import runner
 from layup_jax.run.records import read_metrics
 from tests.helpers import tensorboard_scalars
@@ -24,7 +24,7 @@ SUMMARY_KEYS = {"algorithm", "num_devices", "final_eval_accuracy", "final_eval_l
 def test_a_run_writes_metrics_and_summary_and_learns(tiny_config, tmp_path, algorithm):
   tiny_config.algorithm = algorithm
   tiny_config.num_devices = 4
-  tiny_config.model.granularity = base.get_config().model.granularity  # the default's stages
+  tiny_config.model.granularity = defaults.get_config().model.granularity  # the default's stages
   summary = runner.run(tiny_config, tmp_path)
   records = read_metrics(tmp_path)
   test_records = [r for r in records if r["split"] == "test"]

@@ -67,7 +67,7 @@ def _on_asynchronous_runtime(exchange: type) -> Callable[..., Runtime]:
 
 register("layup", _on_asynchronous_runtime(layup.LayUp), gossip=True, rejoins=True)
 # The paper's Algorithm 1 as written, beside `layup`'s defaults: the same code with one push-sum
-# weight per device and a stage per layer (configs/base.py ALGORITHM_SETTINGS, which
+# weight per device and a stage per layer (layup_jax/defaults.py ALGORITHM_SETTINGS, which
 # run/validation.py holds it to).
 register("layup_paper", _on_asynchronous_runtime(layup.LayUp), gossip=True)
 register("ddp", ddp.build)

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from configs import base
+from layup_jax import defaults
 from layup_jax.errors import ConfigError, StorageError
 
 # Keys that decide the shapes and structure of the saved arrays: a checkpoint written with other
@@ -58,12 +58,12 @@ def config_differences(saved_json: str, current_json: str) -> dict[str, tuple[An
   """`{key: (saved, current)}` for every config value that differs.
 
   A key the saved config lacks was added after the checkpoint was written; that run behaved as
-  the key's default does (or as `base.BEFORE_THE_KEY` says, where the default changed later),
+  the key's default does (or as `defaults.BEFORE_THE_KEY` says, where the default changed later),
   which stands in for it: a checkpoint written before `model.attention` existed resumes.
   """
-  saved = {base.RENAMED.get(k, k): v for k, v in _flatten(json.loads(saved_json)).items()}
+  saved = {defaults.RENAMED.get(k, k): v for k, v in _flatten(json.loads(saved_json)).items()}
   current = _flatten(json.loads(current_json))
-  before = {**_flatten(json.loads(base.get_config().to_json_best_effort())), **base.BEFORE_THE_KEY}
+  before = {**_flatten(json.loads(defaults.get_config().to_json_best_effort())), **defaults.BEFORE_THE_KEY}
   saved.update({k: before[k] for k in current.keys() - saved.keys() if k in before})
   return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
           if saved.get(k) != current.get(k)}

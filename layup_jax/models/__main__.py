@@ -11,7 +11,7 @@ import math
 
 import jax
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import models
 from layup_jax.models import gpt2
 
@@ -25,7 +25,7 @@ def parameter_counts(config) -> list[int]:
 
 
 def summary_config(name: str, variant: str, num_classes: int):
-  config = base.get_config().model
+  config = defaults.get_config().model
   if name in gpt2.SIZES:
     config.name, config.size = "gpt2", name
   else:

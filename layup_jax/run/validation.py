@@ -1,6 +1,6 @@
 """Checks a config before anything is built, so that a user's mistake fails in one clear line.
 
-`configs/base.py` is the schema: a key it does not have is reported as unknown.
+`layup_jax/defaults.py` is the schema: a key it does not have is reported as unknown.
 """
 
 import pathlib
@@ -8,7 +8,7 @@ import pathlib
 import jax
 import ml_collections
 
-from configs import base
+from layup_jax import defaults
 from layup_jax import algorithms, data, models, optim
 from layup_jax.algorithms import ddp
 from layup_jax.errors import ConfigError
@@ -58,12 +58,12 @@ def _at_least(config, key: str, bound: float) -> None:
 
 def validate_config(config: ml_collections.ConfigDict, num_available_devices: int) -> None:
   """Raises ConfigError for the first problem found."""
-  unknown = _unknown_keys(config, base.get_config(), "config")
+  unknown = _unknown_keys(config, defaults.get_config(), "config")
   if unknown:
-    moved = base.RENAMED.get(unknown[0].removeprefix("config."))
+    moved = defaults.RENAMED.get(unknown[0].removeprefix("config."))
     if moved:
       raise ConfigError(f"config key {unknown[0]} is now config.{moved}")
-    raise ConfigError(f"unknown config key {unknown[0]} (every key is listed in configs/base.py)")
+    raise ConfigError(f"unknown config key {unknown[0]} (every key is listed in layup_jax/defaults.py)")
   _one_of(config, "algorithm", algorithms.names())
   _one_of(config, "tuning.host_allocator", allocator.CHOICES)
   _one_of(config, "model.name", models.names())
@@ -94,7 +94,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "baselines.co2_resume", ("correct", "restart"))
   _one_of(config, "distributed.compression", compression.CODECS)
 
-  for key, value in base.ALGORITHM_SETTINGS.get(config.algorithm, {}).items():
+  for key, value in defaults.ALGORITHM_SETTINGS.get(config.algorithm, {}).items():
     _require(_get(config, key) == value, key, _get(config, key),
              f"{config.algorithm} runs with {key}={value!r} (`--config <file>:{config.algorithm}` "
              f"sets it)")
@@ -107,10 +107,14 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
              pretrained, "no model.safetensors in that directory (nothing is downloaded)")
 
   num_devices = config.num_devices
+  processes = config.distributed.num_processes if config.distributed.coordinator_address else 1
   _require(
       1 <= num_devices <= num_available_devices, "num_devices", num_devices,
       f"must be between 1 and the {num_available_devices} devices JAX sees (on CPU, set "
-      f"XLA_FLAGS=--xla_force_host_platform_device_count=N for N fake devices)",
+      f"XLA_FLAGS=--xla_force_host_platform_device_count=N for N fake devices)" if processes == 1
+      else f"must be between 1 and the {num_available_devices} devices of the run's "
+           f"{processes} processes (python -m layup_jax.launch --devices-per-process D gives "
+           f"each process D; on a cluster, each process brings its own devices)",
   )
   checks: list[tuple[str, float]] = [
       ("data.batch_size", 1), ("optimizer.learning_rate", 0), ("optimizer.momentum", 0),

@@ -1,12 +1,14 @@
 """The options of the asynchronous runtime, as one typed object built from the config.
 
 The config is checked once, before anything is built (layup_jax/run/validation.py); these are
-its values as the runtime reads them. configs/base.py says what each key means.
+its values as the runtime reads them. layup_jax/defaults.py says what each key means.
 """
 
 import dataclasses
 
 import ml_collections
+
+from layup_jax import defaults
 
 BN_POLICIES = ("mix", "local")  # config.layup.bn_policy
 LOCAL_UPDATES = ("params", "numerator")  # config.layup.local_update
@@ -32,34 +34,42 @@ CONFIG_KEYS = {
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeOptions:
-  """How the threaded runtime trains (LayUp and the baselines built on it)."""
+  """How the threaded runtime trains (LayUp and the baselines built on it): the config's keys
+  of `CONFIG_KEYS`, with no defaults of their own. `RuntimeOptions.of(**changes)` is the
+  defaults of layup_jax/defaults.py with some changed (what a runtime built without a config,
+  in a test or a benchmark, runs)."""
 
-  seed: int = 0
-  bn_policy: str = "mix"
-  push_sum: str = "per_stage"
-  gossip: bool = True
-  fanout: int = 1
-  local_update: str = "params"
-  max_update_scale: float = 4.0
-  max_dispatch_ahead: int = 1
-  max_sends_in_flight: int = 0
-  pack_stages: bool = True
-  fuse_local_step: bool = True
-  updater_thread: bool = True
-  pin_host_threads: str = "auto"
-  idle_poll_s: float = -1.0
-  remat: str = "dots"
-  chain_forwards: bool = False
-  nonfinite: str = "stop"
-  latency_every: int = 0
-  straggler_device: int = -1
-  straggler_delay_iters: float = 0.0
-  straggler_mode: str = "host"
-  transfer_host: str = ""
-  remote_peer_probability: float = 0.2
-  max_remote_backlog: int = 4
-  compression: str = "int8"
-  survivors_train_lost_share: bool = True
+  seed: int
+  bn_policy: str
+  push_sum: str
+  gossip: bool
+  fanout: int
+  local_update: str
+  max_update_scale: float
+  max_dispatch_ahead: int
+  max_sends_in_flight: int
+  pack_stages: bool
+  fuse_local_step: bool
+  updater_thread: bool
+  pin_host_threads: str
+  idle_poll_s: float
+  remat: str
+  chain_forwards: bool
+  nonfinite: str
+  latency_every: int
+  straggler_device: int
+  straggler_delay_iters: float
+  straggler_mode: str
+  transfer_host: str
+  remote_peer_probability: float
+  max_remote_backlog: int
+  compression: str
+  survivors_train_lost_share: bool
+
+  @classmethod
+  def of(cls, **changes) -> "RuntimeOptions":
+    """The defaults' options (layup_jax/defaults.py), with `changes`."""
+    return cls.from_config(defaults.get_config()).replace(**changes)
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "RuntimeOptions":

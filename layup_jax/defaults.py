@@ -1,6 +1,7 @@
 """Every configuration key, with its default and what it means.
 
-Experiment configs import `get_config` from here and override only what differs. The validator
+Experiment configs (`configs/*.py`, or a user's own file) start from `get_config()` here and
+override only what differs; the library reads its defaults from here alone. The validator
 (`layup_jax.run.validation`) treats this file as the schema: a key that is not here is a typo.
 docs/reference/settings.md is generated from this file (`python scripts/settings_reference.py`):
 the comment above a key, or beside it, is its line there.
