@@ -369,7 +369,8 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
     commands.append(command)
     (tmp_path / "summary.json").write_text(json.dumps({
         "num_steps": 10, "num_devices": 8, "wall_time_s": 4.0, "train_samples_per_s": 640.0,
-        "final_eval_accuracy": 0.9, "final_device0_accuracy": 0.85, "consensus_distance": 2e-3,
+        "final_eval_accuracy": 0.9, "final_eval_loss": 0.3, "final_device0_accuracy": 0.85,
+        "consensus_distance": 2e-3,
         "time_to_target_s": None, "bytes_between_processes_per_device_iteration": 1000.0,
         "remote_send_latency_ms": {"median": 20.0, "p90": 50.0}}))
     (tmp_path / "links.json").write_text(json.dumps(
@@ -401,9 +402,10 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
   # The test curve survives the run's temporary directory: where a target was crossed, under
   # either statistics.
   assert row["test_curve"] == [
-      {"step": 0, "time_s": 0.0, "accuracy": 0.1},
-      {"step": 10, "time_s": 4.0, "accuracy": 0.9, "running_statistics_accuracy": 0.8,
-       "consensus_distance": 1e-4}]
+      {"step": 0, "time_s": 0.0, "loss": 2.3, "accuracy": 0.1},
+      {"step": 10, "time_s": 4.0, "loss": 0.3, "accuracy": 0.9,
+       "running_statistics_accuracy": 0.8, "consensus_distance": 1e-4}]
+  assert row["final_loss"] == 0.3
   bench.run_drill = lambda command: drill(command, status=1)
   args.cpus_per_host = 0  # every process on every CPU: the drill's default
   row = bench.run("2x4", "unshaped", "ddp", [], 0, args, str(tmp_path))
