@@ -54,10 +54,13 @@ def mlp_model(widths=(16, 16), num_classes=10) -> StagedModel:
 
 
 def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_size=8, seed=0,
-                       exchange=None, tx=None, train_batches=None, **options):
+                       exchange=None, tx=None, train_batches=None, fanout=1, latency_every=0,
+                       **options):
   """A LayUp runtime (or a baseline's: `exchange`, the factory of its `Exchange`) on the digits
   data with SGD with momentum (or `tx`), on the first devices; `options` are `RuntimeOptions`
-  fields."""
+  fields, the others the config's defaults (`RuntimeOptions.of`). One peer per send (the
+  paper's, `layup_paper`'s) and no latency samples unless a test asks: half the sends and
+  programs of the defaults, which the suite's many small runtimes would otherwise pay."""
   import jax
   import optax
 
@@ -75,7 +78,8 @@ def make_layup_runtime(num_devices=8, *, model=None, learning_rate=0.05, batch_s
   params, state = model.init(jax.random.key(seed), example.inputs)
   tx = tx or optax.sgd(learning_rate, momentum=0.9)
   return AsyncRuntime(model, tx, jax.devices()[:num_devices], iterators, params, state, example,
-                      exchange or LayUp, RuntimeOptions.of(seed=seed, **options))
+                      exchange or LayUp, RuntimeOptions.of(seed=seed, fanout=fanout,
+                                                           latency_every=latency_every, **options))
 
 
 class Hidden(nn.Module):
