@@ -161,8 +161,7 @@ import numpy as np
 import optax
 
 from configs import digits
-from layup_jax import defaults
-from layup_jax import algorithms, data, models, optim
+from layup_jax import algorithms, data, defaults, models, optim
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
 from layup_jax.data import TrainStreams

@@ -55,8 +55,7 @@ def device_bytes(devices) -> dict:
 def measure(case: str, algorithm: str, num_devices: int, steps: int) -> dict:
   """Runs in the child process: trains and returns the peaks per device."""
 
-  from layup_jax import defaults
-  from layup_jax import algorithms, data, models, optim
+  from layup_jax import algorithms, data, defaults, models, optim
   from layup_jax.algorithms.base import init_model
   from layup_jax.data.pipeline import random_image_batches
 

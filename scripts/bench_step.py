@@ -51,8 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from layup_jax import defaults
-from layup_jax import data, models, optim
+from layup_jax import data, defaults, models, optim
 from layup_jax.algorithms import ddp
 from layup_jax.algorithms.base import init_model
 from layup_jax.algorithms.layup import LayUp

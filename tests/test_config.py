@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from layup_jax import defaults
-from layup_jax import data
+from layup_jax import data, defaults
 from layup_jax.run.validation import ConfigError, validate_config
 from layup_jax.runtime.options import CONFIG_KEYS, RuntimeOptions
 

@@ -8,8 +8,7 @@ import pathlib
 
 import pytest
 
-from layup_jax import defaults
-from layup_jax import data
+from layup_jax import data, defaults
 from layup_jax.errors import ConfigError
 from layup_jax.run import runner
 from layup_jax.run.validation import column_notes, validate_config

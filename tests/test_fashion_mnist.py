@@ -4,8 +4,7 @@ to get them. The files here are written by the test (random images), not the rea
 import numpy as np
 import pytest
 
-from layup_jax import defaults
-from layup_jax import data
+from layup_jax import data, defaults
 from layup_jax.data import fashion_mnist
 from layup_jax.errors import DataError
 from tests.helpers import write_fashion_mnist

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from layup_jax import defaults
-from layup_jax import models
+from layup_jax import defaults, models
 from layup_jax.models import gpt2_import
 
 VOCAB, CTX, DIM, HEADS, LAYERS = 48, 16, 64, 4, 2  # the "tiny" size

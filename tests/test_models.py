@@ -7,8 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from layup_jax import defaults
-from layup_jax import models
+from layup_jax import defaults, models
 from layup_jax.algorithms.ddp import DDPRuntime
 from layup_jax.algorithms.layup import LayUp
 from layup_jax.data.pipeline import Batch

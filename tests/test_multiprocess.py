@@ -14,8 +14,7 @@ import jax
 import pytest
 
 from configs import digits
-from layup_jax import defaults
-from layup_jax import launch, models
+from layup_jax import defaults, launch, models
 from layup_jax.data.digits import load_digits
 from layup_jax.errors import ConfigError
 from layup_jax.launch import (

@@ -16,8 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from layup_jax import defaults
-from layup_jax import optim
+from layup_jax import defaults, optim
 from layup_jax.algorithms.gossip import ADPSGD, GoSGD
 from layup_jax.algorithms.periodic import make_exchange
 from layup_jax.data import EvalSet, digits

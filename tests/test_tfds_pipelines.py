@@ -7,8 +7,7 @@ dataset prepared, does the split exist — run as they would on a prepared data 
 import numpy as np
 import pytest
 
-from layup_jax import defaults
-from layup_jax import data
+from layup_jax import data, defaults
 from layup_jax.data import sources, vision
 from layup_jax.errors import DataError
 from tests.tfds_fakes import mocked_tfds

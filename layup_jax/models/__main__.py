@@ -11,8 +11,7 @@ import math
 
 import jax
 
-from layup_jax import defaults
-from layup_jax import models
+from layup_jax import defaults, models
 from layup_jax.models import gpt2
 
 

@@ -8,8 +8,7 @@ import pathlib
 import jax
 import ml_collections
 
-from layup_jax import defaults
-from layup_jax import algorithms, data, models, optim
+from layup_jax import algorithms, data, defaults, models, optim
 from layup_jax.algorithms import ddp
 from layup_jax.errors import ConfigError
 from layup_jax.models import gpt2
