@@ -93,7 +93,7 @@ def budget_task(runs: list[dict], batch_size: int) -> dict:
     return {"value": "final_loss", "label": "test loss", "higher": False, "unit": "tokens",
             "per_step": per_step * tokens, "scale": 1e6, "suffix": "M", "digits": 2,
             "targets": targets}
-  return {"value": "final_accuracy", "label": "accuracy", "higher": True, "unit": "samples",
+  return {"value": "final_accuracy", "label": "test accuracy", "higher": True, "unit": "samples",
           "per_step": per_step, "scale": 1e3, "suffix": "k", "digits": 0,
           "targets": BUDGET_TARGETS}
 
