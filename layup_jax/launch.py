@@ -96,19 +96,18 @@ def _shell_status(returncode: int) -> int:
 
 
 USER_ERROR = 2  # a training process's exit status for a bad input, said in its own line
-_errors_shown: set[str] = set()  # "error: ..." lines one process printed already
-_errors_lock = threading.Lock()
 
 
-def _relay(process: subprocess.Popen, prefix: str) -> None:
-  """Copies a process's output, prefixed; an `error:` line another process printed already
-  (every process refuses a bad config alike) is shown once."""
+def _relay(process: subprocess.Popen, prefix: str, errors_shown: set[str],
+           lock: threading.Lock) -> None:
+  """Copies a process's output, prefixed; an `error:` line another process of the run printed
+  already (`errors_shown`: every process refuses a bad config alike) is shown once."""
   for line in process.stdout:
     if line.startswith("error:"):
-      with _errors_lock:
-        if line in _errors_shown:
+      with lock:
+        if line in errors_shown:
           continue
-        _errors_shown.add(line)
+        errors_shown.add(line)
     sys.stdout.write(prefix + line if prefix else line)
     sys.stdout.flush()
 
@@ -127,11 +126,13 @@ def run(processes: int, devices_per_process: int, train_args: list[str],
   port = free_port()
   every = commands(processes, port, train_args, external_coordinator=coordinator)
   relays: list[threading.Thread] = []
+  errors_shown, errors_lock = set(), threading.Lock()  # the run's `error:` lines, once each
 
   def spawn(command: list[str], prefix: str, environ: dict[str, str]) -> subprocess.Popen:
     child = subprocess.Popen(command, env=environ, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, bufsize=1)
-    relay = threading.Thread(target=_relay, args=(child, prefix), daemon=True)
+    relay = threading.Thread(target=_relay, args=(child, prefix, errors_shown, errors_lock),
+                             daemon=True)
     relay.start()
     relays.append(relay)
     return child

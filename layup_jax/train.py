@@ -70,7 +70,8 @@ def _in_config_file(error: BaseException, path: str | None) -> str | None:
   if path is None:
     return None
   where = os.path.realpath(path)
-  if isinstance(error, SyntaxError) and error.filename and os.path.realpath(error.filename) == where:
+  if isinstance(error, SyntaxError) and error.filename and (
+      os.path.realpath(error.filename) == where):
     return f"{path} line {error.lineno}"
   lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
            if os.path.realpath(frame.filename) == where]

@@ -98,26 +98,40 @@ def budget_task(runs: list[dict], batch_size: int) -> dict:
           "targets": BUDGET_TARGETS}
 
 
+def crossing(points: list[tuple[float, float]], target: float,
+             higher: bool = True) -> tuple[str, float]:
+  """Where values over amounts (samples or tokens, ascending) first reach `target` (at least,
+  or with `higher=False` at most): ("<=", the first amount) if the first value is there already,
+  ("=", the amount interpolated linearly between the points around the first crossing), or
+  (">", the last amount) if none is."""
+  points = sorted(points)
+  sign = 1 if higher else -1
+  if sign * points[0][1] >= sign * target:
+    return "<=", points[0][0]
+  for (s0, a0), (s1, a1) in zip(points, points[1:]):
+    if sign * a1 >= sign * target:
+      return "=", s0 + (target - a0) / (a1 - a0) * (s1 - s0)
+  return ">", points[-1][0]
+
+
 def amount_to(points: list[tuple[float, float]], target: float, higher: bool = True,
               scale: float = 1e3, suffix: str = "k", digits: int = 0) -> str:
   """The samples (or tokens) at which a method's mean final value over budgets reaches
-  `target` (accuracy at least, or with `higher=False` a loss at most), interpolated linearly
-  between the budgets around the first crossing; at or below the smallest budget, or beyond
-  the largest, said so."""
-  points = sorted(points)
-  sign = 1 if higher else -1
-  show = lambda x: f"{x / scale:.{digits}f} {suffix}"
-  if sign * points[0][1] >= sign * target:
-    return f"<= {show(points[0][0])}"
-  for (s0, a0), (s1, a1) in zip(points, points[1:]):
-    if sign * a1 >= sign * target:
-      return show(s0 + (target - a0) / (a1 - a0) * (s1 - s0))
-  return f"> {show(points[-1][0])}"
+  `target` (`crossing`), as the table shows it: "<= 60 k", "150 k", "> 180 k"."""
+  how, amount = crossing(points, target, higher)
+  shown = f"{amount / scale:.{digits}f} {suffix}"
+  return shown if how == "=" else f"{how} {shown}"
 
 
 def samples_to(points: list[tuple[float, float]], target: float) -> str:
   """`amount_to` of accuracy against samples, in thousands."""
   return amount_to(points, target)
+
+
+def budget_methods(runs: list[dict]) -> list[tuple[str, str]]:
+  """The runs' (algorithm, variant) pairs, in the page's order of methods."""
+  return sorted({(r["algorithm"], r["variant"]) for r in runs},
+                key=lambda m: (ORDER.index(m[0]) if m[0] in ORDER else len(ORDER), m[1]))
 
 
 def budget_means(runs: list[dict], task: dict, method: tuple[str, str]) -> dict[int, list[float]]:
@@ -133,8 +147,7 @@ def budget_tables(name: str, budgets: dict, batch_size: int, figure: str | None)
   runs = [r for r in budgets["runs"] if r["delay"] == 0]
   meta = budgets["meta"]
   task = budget_task(runs, batch_size)
-  methods = sorted({(r["algorithm"], r["variant"]) for r in runs},
-                   key=lambda m: (ORDER.index(m[0]) if m[0] in ORDER else len(ORDER), m[1]))
+  methods = budget_methods(runs)
   steps = sorted({r["num_steps"] for r in runs})
   seen = {n: n * task["per_step"] for n in steps}
   shown = lambda n: f"{seen[n] / task['scale']:.{task['digits']}f} {task['suffix']}"
@@ -195,7 +208,8 @@ def loss_budget_claims(runs: list[dict], task: dict, steps: list[int],
     crossings = []
     for finals in (layup, ddp):
       points = sorted((seen[n], statistics.mean(v)) for n, v in finals.items())
-      crossings.append(interpolated_crossing(points, target))
+      how, amount = crossing(points, target, higher=False)
+      crossings.append(None if how == ">" else amount)
     a, b = crossings
     show = lambda x: "not reached" if x is None else f"{x / 1e6:.2f} M"
     holds = a is not None and (b is None or a <= b)
@@ -203,19 +217,6 @@ def loss_budget_claims(runs: list[dict], task: dict, steps: list[int],
                  "holds" if holds else "does not hold"))
   return ["", "| claim | measured | verdict |", "|---|---|---|",
           *[f"| {claim} | {measured} | {result} |" for claim, measured, result in rows]]
-
-
-def interpolated_crossing(points: list[tuple[float, float]], target: float) -> float | None:
-  """The amount at which falling values first reach `target`, linear between points; the
-  first point's amount if it is already there; None if never."""
-  if not points:
-    return None
-  if points[0][1] <= target:
-    return points[0][0]
-  for (s0, a0), (s1, a1) in zip(points, points[1:]):
-    if a1 <= target:
-      return s0 + (target - a0) / (a1 - a0) * (s1 - s0)
-  return None
 
 
 def draw_budget_figure(name: str, budgets: dict, batch_size: int, out_dir: pathlib.Path,
@@ -232,8 +233,7 @@ def draw_budget_figure(name: str, budgets: dict, batch_size: int, out_dir: pathl
   curves = task["unit"] == "tokens"
   fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(11 if curves else 6, 4))
   finals_axis = axes[0] if curves else axes
-  methods = sorted({(r["algorithm"], r["variant"]) for r in runs},
-                   key=lambda m: (ORDER.index(m[0]) if m[0] in ORDER else len(ORDER), m[1]))
+  methods = budget_methods(runs)
   for index, method in enumerate(methods):
     color = f"C{index}"
     finals = budget_means(runs, task, method)

@@ -63,7 +63,8 @@ def config_differences(saved_json: str, current_json: str) -> dict[str, tuple[An
   """
   saved = {defaults.RENAMED.get(k, k): v for k, v in _flatten(json.loads(saved_json)).items()}
   current = _flatten(json.loads(current_json))
-  before = {**_flatten(json.loads(defaults.get_config().to_json_best_effort())), **defaults.BEFORE_THE_KEY}
+  before = {**_flatten(json.loads(defaults.get_config().to_json_best_effort())),
+            **defaults.BEFORE_THE_KEY}
   saved.update({k: before[k] for k in current.keys() - saved.keys() if k in before})
   return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
           if saved.get(k) != current.get(k)}

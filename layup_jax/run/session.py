@@ -402,6 +402,8 @@ class Session:
               "wall_time_s": self.train_time, "compile_s": self.compile_s,
               "checkpoints_given_up": self.checkpoints_given_up}
     language_model = self.dataset.kind == "language_model"
+    samples_per_step = config.num_devices * config.data.batch_size
+    target_key, target, _ = self._target()
     summary = {
         "algorithm": config.algorithm,
         "num_devices": config.num_devices,
@@ -417,7 +419,7 @@ class Session:
         "compile_s": self.compile_s,
         "checkpoints_given_up": self.checkpoints_given_up,
         "train_samples_per_s": self.samples_per_s(),
-        "samples_per_step": config.num_devices * config.data.batch_size,
+        "samples_per_step": samples_per_step,
         **({"tokens_per_sample": config.data.seq_len} if language_model else {}),
         "device_iterations": stats.iterations_per_device(),
         "skipped_steps": stats.skipped_steps(),
@@ -431,9 +433,8 @@ class Session:
         **self.throughput(),
         **measurements.run_measurements(
             self.writer.records, language_model=language_model,
-            target=self._target()[1], target_key=self._target()[0],
-            steps_per_epoch=self.dataset.steps_per_epoch,
-            samples_per_step=config.num_devices * config.data.batch_size,
+            target=target, target_key=target_key,
+            steps_per_epoch=self.dataset.steps_per_epoch, samples_per_step=samples_per_step,
             tokens_per_sample=config.data.seq_len if language_model else 0),
         "resumed_from_step": self.start_step,
         "stopped_at_target": self.stopped_at_target,

@@ -62,7 +62,8 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
     moved = defaults.RENAMED.get(unknown[0].removeprefix("config."))
     if moved:
       raise ConfigError(f"config key {unknown[0]} is now config.{moved}")
-    raise ConfigError(f"unknown config key {unknown[0]} (every key is listed in layup_jax/defaults.py)")
+    raise ConfigError(f"unknown config key {unknown[0]} (every key is listed in "
+                      f"layup_jax/defaults.py)")
   _one_of(config, "algorithm", algorithms.names())
   _one_of(config, "tuning.host_allocator", allocator.CHOICES)
   _one_of(config, "model.name", models.names())
@@ -119,7 +120,8 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("data.batch_size", 1), ("optimizer.learning_rate", 0), ("optimizer.momentum", 0),
       ("optimizer.weight_decay", 0), ("optimizer.warmup_steps", 0), ("optimizer.warmup_epochs", 0),
       ("optimizer.warmup_fraction", 0),
-      ("optimizer.warmup_init_lr", 0), ("optimizer.adam_mean_of", 1), ("num_steps", 0), ("num_epochs", 0), ("eval_every", 0),
+      ("optimizer.warmup_init_lr", 0), ("optimizer.adam_mean_of", 1), ("num_steps", 0),
+      ("num_epochs", 0), ("eval_every", 0),
       ("precise_bn_batches", 0),
       ("tuning.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
       ("model.num_classes", 1), ("model.vocab_size", 1), ("model.vocab_multiple", 0), ("model.max_len", 1),
