@@ -42,14 +42,16 @@ def test_a_few_steps_of_the_benchmark_lower_the_test_loss(tmp_path, algorithm):
   config = benchmark_config(algorithm)
   config.data.text_dir, config.data.token_cache_dir = str(corpus), ""
   config.data.seq_len = config.model.max_len = 32
-  config.data.batch_size, config.data.eval_batch_size = 4, 16
-  config.num_devices, config.num_steps, config.eval_every = 4, 20, 10
-  config.optimizer.learning_rate = 1e-2  # a corpus this regular takes a high rate
+  # 4 devices x 8 x 32 tokens at 5e-3: under load, asynchronous LayUp's loss at each evaluation
+  # varies by about 0.3 nats between runs; these settings leave each step well clear of that.
+  config.data.batch_size, config.data.eval_batch_size = 8, 16
+  config.num_devices, config.num_steps, config.eval_every = 4, 30, 15
+  config.optimizer.learning_rate = 5e-3
   config.metrics.target_loss, config.checkpoint.enabled, config.progress_bar = 3.0, False, False
   summary = runner.run(config, tmp_path / "run")
   losses = [r["loss"] for r in read_metrics(tmp_path / "run") if r["split"] == "test"]
   assert len(losses) == 3 and losses[0] > 5.0  # about ln 257 at the start
   assert losses[2] < losses[1] < losses[0] and losses[2] < 3.0
   assert summary["final_eval_perplexity"] == pytest.approx(2.718281828 ** losses[2], rel=1e-6)
-  assert summary["target_loss"] == 3.0 and summary["target_step"] in (10, 20)
-  assert summary["tokens_to_target"] == summary["target_step"] * 4 * 4 * 32
+  assert summary["target_loss"] == 3.0 and summary["target_step"] in (15, 30)
+  assert summary["tokens_to_target"] == summary["target_step"] * 4 * 8 * 32
