@@ -7,7 +7,7 @@
              far a compute thread dispatches ahead (`--ahead`)
   profile    a `jax.profiler` trace of LayUp's threaded runtime, and where its time goes
 
-    python scripts/bench_host.py --out docs/results/bench_host.json          # iteration
+    python scripts/bench_host.py --out runs/bench_host.json                 # iteration
     python scripts/bench_host.py dispatch --case resnet50-cifar --updater-thread off
     python scripts/bench_host.py runtime --repeats 15 --gossip-cases digits resnet18-cifar
     python scripts/bench_host.py profile --num-devices 1 --iterations 100 --out runs/profile
