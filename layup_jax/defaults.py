@@ -333,3 +333,23 @@ def nested(values: dict) -> dict:
       section = section.setdefault(part, {})
     section[name] = value
   return out
+
+
+def load_config_file(path, algorithm: str | None = None) -> ml_collections.ConfigDict:
+  """A config file's `get_config(algorithm)` (its column for `algorithm`, as the command line's
+  `--config FILE:ALGORITHM`); `get_config()` when no algorithm is named."""
+  import importlib.util
+  import pathlib
+
+  from layup_jax.errors import ConfigError
+
+  file = pathlib.Path(path)
+  if not file.is_file():
+    raise ConfigError(f"no config file {path}")
+  spec = importlib.util.spec_from_file_location(f"layup_config_{file.stem}", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not callable(getattr(module, "get_config", None)):
+    raise ConfigError(f"the config file {path} has no get_config() (it defines get_config() "
+                      "returning an ml_collections.ConfigDict, as configs/digits.py does)")
+  return module.get_config(algorithm) if algorithm else module.get_config()

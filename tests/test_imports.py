@@ -50,7 +50,8 @@ def test_every_module_imports_on_its_own():
 # imports run one way and no cycle can form between packages. Top-level modules are their own
 # entries; `defaults` is the schema of the config, imported by what reads a config's keys.
 _MAY_IMPORT = {
-    "errors": set(), "optim": set(), "platform": {"errors"}, "pushsum": set(), "defaults": set(),
+    "errors": set(), "optim": set(), "platform": {"errors"}, "pushsum": set(),
+    "defaults": {"errors"},
     "models": {"defaults"}, "data": {"errors"}, "measure": {"models", "platform"},
     "multiprocess": {"errors", "platform"},
     "checkpoint": {"errors", "platform", "multiprocess", "defaults"},
@@ -63,6 +64,7 @@ _MAY_IMPORT = {
     "train": {"errors", "platform", "multiprocess", "checkpoint", "algorithms", "run",
               "defaults"},
     "launch": set(),
+    "export": {"errors", "optim", "models", "data", "checkpoint", "algorithms", "run"},
 }
 
 
@@ -89,6 +91,24 @@ def _package_imports() -> dict[str, set[str]]:
           imported.update(a.name for a in node.names)
     imported.discard(me)
   return found
+
+
+def test_the_package_root_is_the_api_and_imports_jax_only_when_used():
+  """`import layup_jax` gives the API a user's script needs (`layup_jax.train` the function,
+  not the command's module) without importing JAX, so XLA flags set afterwards still count."""
+  probe = ("import sys, inspect, layup_jax\n"
+           "assert 'jax' not in sys.modules\n"
+           "assert inspect.isfunction(layup_jax.train)\n"
+           "assert 'jax' not in sys.modules\n"
+           "names = {n: callable(getattr(layup_jax, n)) for n in layup_jax.__all__}\n"
+           "print(sorted(names), all(names.values()), layup_jax.get_config().algorithm)")
+  result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  names, all_callable, algorithm = result.stdout.rsplit(None, 2)
+  assert {"train", "get_config", "load_config", "register_model", "register_data",
+          "export_model", "load_model", "StagedModel"} <= set(eval(names))  # noqa: S307
+  assert all_callable == "True" and algorithm == "layup"
 
 
 def test_packages_import_only_the_packages_below_them():

@@ -2,10 +2,12 @@
 
 
 import chex
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from layup_jax import defaults, models
 from layup_jax.algorithms.ddp import DDPRuntime
@@ -179,3 +181,49 @@ def test_identical_blocks_share_one_jitted_function():
   # Dropout still differs between the two blocks: each stage has its own key.
   keys = [staged.stage_key(jax.random.key(0), s) for s in range(model.num_stages)]
   assert not np.array_equal(jax.random.key_data(keys[1]), jax.random.key_data(keys[2]))
+
+
+class _NNXBlock(nnx.Module):
+  def __init__(self, features_in: int, features: int, *, rngs: nnx.Rngs):
+    self.dense = nnx.Linear(features_in, features, rngs=rngs)
+    self.norm = nnx.BatchNorm(features, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x, train: bool):
+    x = self.norm(self.dense(x.reshape(x.shape[0], -1)), use_running_average=not train)
+    return self.drop(nnx.relu(x), deterministic=not train)
+
+
+def test_an_nnx_stage_is_a_stage_with_its_batch_statistics_as_state_and_train_passed():
+  """`nnx.bridge.to_linen(Class, ...)` as a stage: its Params are the stage's params, its
+  BatchStats its state; training mode reaches it (dropout and the statistics' update act only
+  then), and its staged gradients are jax.grad's of the composed model."""
+  model = staged.StagedModel([nnx.bridge.to_linen(_NNXBlock, 12, 16),
+                              nnx.bridge.to_linen(_NNXBlock, 16, 8)])
+  x = np.random.default_rng(0).normal(size=(6, 3, 4)).astype(np.float32)
+  labels = np.arange(6, dtype=np.int32) % 8
+  params, state = model.init(jax.random.key(0), x)
+  assert set(params[0]) == {"dense", "norm"} and set(state[0]) == {"batch_stats"}
+  key = jax.random.key(1)
+  y_eval, after_eval = model.apply(params, state, x, key, np.int32(0), train=False)
+  y_train, after_train = model.apply(params, state, x, key, np.int32(0), train=True)
+  chex.assert_trees_all_equal(after_eval, state)
+  assert not np.allclose(after_train[0]["batch_stats"]["norm"]["mean"],
+                         state[0]["batch_stats"]["norm"]["mean"])
+  assert float(np.mean(np.asarray(y_train) == 0)) > float(np.mean(np.asarray(y_eval) == 0))
+  loss, grads, _ = staged_pass.staged_value_and_grad(
+      model, programs.make_stage_steps(model), params, state, x, labels, key, np.int32(2))
+  (want_loss, _), want = jax.value_and_grad(model.loss, has_aux=True)(
+      params, state, x, labels, key, np.int32(2))
+  assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+  chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_models_own_metrics_are_kept_in_order_and_may_not_take_the_evaluations_names():
+  dense = staged.StagedModel([nn.Dense(2)], metrics={"b": len, "a": len})
+  assert [name for name, _ in dense.metrics] == ["b", "a"]
+  assert staged.group_stages(staged.StagedModel([nn.Dense(2)] * 2, metrics={"m": len}),
+                             2).metrics == (("m", len),)
+  for taken in ("loss", "accuracy", "device0_loss", "running_statistics_accuracy"):
+    with pytest.raises(ValueError, match="taken"):
+      staged.StagedModel([nn.Dense(2)], metrics={taken: len})

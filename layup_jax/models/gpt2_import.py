@@ -1,4 +1,4 @@
-"""GPT-2 weights from a local Hugging Face style checkpoint directory (no downloads).
+"""GPT-2 weights from and to a local Hugging Face style checkpoint directory (no downloads).
 
 The directory holds `model.safetensors` with the standard names
 (`transformer.h.N.attn.c_attn.weight` and so on; the `transformer.` prefix may be absent). Our
@@ -8,6 +8,8 @@ kernels as [in, out], as Flax's Dense does, so nothing is transposed. Every para
 with its shape, and every tensor of the checkpoint must be used (buffers such as `attn.bias` and
 the tied `lm_head.weight` aside). A model with a padded vocabulary (`model.vocab_multiple`) takes
 the checkpoint's `wte` in its first rows; the padded rows are zero (their logits are masked).
+`save_gpt2_params` writes the same layout (and Hugging Face's `config.json`), so a model
+trained here goes back to it and, through `model.pretrained`, into another run.
 """
 
 import pathlib
@@ -76,3 +78,36 @@ def load_gpt2_params(model: StagedModel, example_tokens: np.ndarray, directory,
     raise ValueError(f"GPT-2 checkpoint {directory} has tensors the model does not use, e.g. "
                      f"{unused[:3]}: check config.model.size")
   return params
+
+
+def save_gpt2_params(model: StagedModel, params: list, model_config,
+                     directory: str | pathlib.Path) -> None:
+  """Writes per-stage GPT-2 `params` to `directory` as Hugging Face's GPT-2 checkpoint: the
+  tensors under their `transformer.` names (a padded `wte` cut to `model_config.vocab_size`
+  rows) in `model.safetensors`, and `config.json` with the model's shape."""
+  import json
+
+  from safetensors.numpy import save_file
+
+  from layup_jax.models.gpt2 import SIZES
+
+  prefixes = stage_prefixes(model.num_stages, per_layer=model_config.granularity == "per_layer")
+  tensors = {}
+  for prefix, stage in zip(prefixes, params):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stage)[0]:
+      name = checkpoint_name(prefix, tuple(getattr(k, "key", k) for k in path))
+      value = np.asarray(leaf, np.float32)
+      if name == "wte.weight":
+        value = value[:model_config.vocab_size]
+      tensors[f"transformer.{name}"] = np.ascontiguousarray(value)
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+  size = SIZES[model_config.size]
+  (directory / "config.json").write_text(json.dumps({
+      "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+      "vocab_size": int(model_config.vocab_size), "n_positions": int(model_config.max_len),
+      "n_ctx": int(model_config.max_len), "n_embd": size.embed_dim,
+      "n_layer": size.num_layers, "n_head": size.num_heads,
+      "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+      "tie_word_embeddings": True}, indent=1))

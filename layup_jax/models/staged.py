@@ -16,9 +16,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.nnx import bridge
 
 PyTree = Any
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+# (outputs, targets) -> one value per sample, or per sample and position (averaged over them)
+MetricFn = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -28,7 +31,12 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def _accepts_train(module: nn.Module) -> bool:
-  return "train" in inspect.signature(type(module).__call__).parameters
+  """Whether the module's call takes `train`; an NNX module wrapped by `nnx.bridge.to_linen`
+  passes its keywords through, so its own class's `__call__` decides."""
+  call = type(module).__call__
+  if isinstance(module, bridge.ToLinen):
+    call = module.nnx_class.__call__
+  return "train" in inspect.signature(call).parameters
 
 
 def stage_key(key: jax.Array, stage_idx: int) -> jax.Array:
@@ -87,18 +95,29 @@ class StagedModel:
   """A model as an ordered list of stages; the last one feeds `loss_fn`.
 
   Each module is called as `module(x, train=train)` (or `module(x)` when its `__call__` takes
-  no `train`); dropout reads the `"dropout"` rng stream.
+  no `train`); dropout reads the `"dropout"` rng stream. A `flax.nnx` module enters as
+  `nnx.bridge.to_linen(Class, *args)`. `metrics` names the evaluation's own measures beside
+  cross-entropy and argmax accuracy: `fn(outputs, targets)` gives one value per sample (or per
+  sample and position, averaged over positions), and the test records hold its mean over the
+  test set under its name.
   """
 
   modules: tuple[nn.Module, ...]
   loss_fn: LossFn = softmax_cross_entropy
   ties: tuple[Tie, ...] = ()
+  metrics: tuple[tuple[str, MetricFn], ...] = ()  # a dict is accepted and kept as its items
 
   def __post_init__(self):
     if not self.modules:
       raise ValueError("a StagedModel needs at least one module")
     object.__setattr__(self, "modules", tuple(self.modules))
     object.__setattr__(self, "ties", tuple(self.ties))
+    metrics = self.metrics.items() if isinstance(self.metrics, dict) else self.metrics
+    object.__setattr__(self, "metrics", tuple((str(name), fn) for name, fn in metrics))
+    reserved = {"loss", "accuracy", "perplexity", "consensus_distance"}
+    for name, _ in self.metrics:
+      if name in reserved or name.startswith(("device0_", "running_statistics_")):
+        raise ValueError(f"metric name {name!r} is taken by the evaluation's own measures")
     for tie in self.ties:
       if not 0 <= tie.owner < tie.consumer < len(self.modules):
         raise ValueError(f"{tie}: the owner stage must come before the consumer stage")
@@ -209,4 +228,4 @@ def group_stages(model: StagedModel, per_group: int) -> StagedModel:
                    path=(f"parts_{groups[group_of[t.owner]].index(t.owner)}", *t.path))
                for t in model.ties)
   modules = [Group(tuple(model.modules[s] for s in members)) for members in groups]
-  return StagedModel(tuple(modules), model.loss_fn, ties)
+  return StagedModel(tuple(modules), model.loss_fn, ties, model.metrics)

@@ -412,6 +412,7 @@ class Session:
         "final_eval_loss": record["loss"],
         "final_device0_accuracy": record["device0_accuracy"],
         **({"final_eval_perplexity": record["perplexity"]} if "perplexity" in record else {}),
+        **{f"final_eval_{name}": record[name] for name, _ in self.model.metrics},
         "consensus_distance": record["consensus_distance"],
         "weight_sum_min": record["weight_sum_min"],
         "weight_sum_max": record["weight_sum_max"],

@@ -1,0 +1,112 @@
+"""The trained model out of a run (`python -m layup_jax.export`): the consensus model a run's
+evaluations evaluate, in the model's own parameter tree, read back for inference; GPT-2 also in
+Hugging Face's layout, which the import reads back."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import layup_jax
+from layup_jax import data, defaults, export, models
+from layup_jax.models import gpt2_import
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _test_loss_and_accuracy(model, config) -> tuple[float, float]:
+  """The exported model's mean cross-entropy and accuracy over the run's test split, in
+  float64 on the host from its logits."""
+  dataset = data.make_dataset(config.data, config.num_devices, config.seed)
+  nll = correct = count = 0.0
+  try:
+    for batch in dataset.test:
+      logits = np.asarray(model(batch.inputs), np.float64)
+      shifted = logits - logits.max(-1, keepdims=True)
+      log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+      nll += float((-np.take_along_axis(log_probs, batch.targets[:, None], -1)[:, 0]
+                    * batch.mask).sum())
+      correct += float(((logits.argmax(-1) == batch.targets) * batch.mask).sum())
+      count += float(batch.mask.sum())
+  finally:
+    dataset.close()
+  return nll / count, correct / count
+
+
+@pytest.mark.parametrize("algorithm", ["layup", "ddp"])
+def test_an_exported_digits_run_gives_the_runs_own_consensus_test_loss(tmp_path, algorithm):
+  """A digits run trained through the API, exported by the command and loaded: its logits on
+  the test split give the loss and accuracy the run's last evaluation reported for its consensus
+  model, to 1e-6 (a replica alone, or weights averaged any other way, would not)."""
+  config = layup_jax.load_config(ROOT / "configs" / "digits.py", algorithm)
+  config.num_epochs, config.progress_bar, config.metrics.tensorboard = 2, False, False
+  summary = layup_jax.train(config, tmp_path / "run")
+  result = subprocess.run(
+      [sys.executable, "-m", "layup_jax.export", "--workdir", str(tmp_path / "run"),
+       "--out", str(tmp_path / "model")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stderr == "" and "at step 22" in result.stdout
+  model = layup_jax.load_model(tmp_path / "model")
+  loss, accuracy = _test_loss_and_accuracy(model, model.config)
+  assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-6)
+  # The summary's accuracy is a float32 mean: 1e-6 apart, still one sample in 359 is 2.8e-3.
+  assert accuracy == pytest.approx(summary["final_eval_accuracy"], abs=1e-6)
+  if algorithm == "layup":  # the replicas differ: device 0's own model is not the one exported
+    assert summary["final_device0_accuracy"] != summary["final_eval_accuracy"] or (
+        summary["consensus_distance"] > 0)
+  assert json.loads((tmp_path / "model" / "config.json").read_text())["algorithm"] == algorithm
+
+
+def _gpt2_config(granularity: str, vocab_multiple: int):
+  config = defaults.get_config().model
+  config.name, config.size, config.vocab_size, config.max_len = "gpt2", "tiny", 257, 32
+  config.granularity, config.vocab_multiple = granularity, vocab_multiple
+  return config
+
+
+@pytest.mark.parametrize("granularity,vocab_multiple",
+                         [("per_block", 1), ("per_layer", 64)])
+def test_a_gpt2_written_in_hugging_faces_layout_reads_back_to_the_same_logits(
+    tmp_path, granularity, vocab_multiple):
+  """GPT-2 (a stage per block, or per sub-layer with a padded vocabulary) written by
+  `save_gpt2_params` and read by the import `model.pretrained` uses: the same logits to 1e-5."""
+  config = _gpt2_config(granularity, vocab_multiple)
+  model = models.make_model(config)
+  tokens = np.random.default_rng(0).integers(0, 257, (3, 32)).astype(np.int32)
+  params, state = model.init(jax.random.key(3), tokens)
+  params = jax.tree.map(  # weights away from their initial values, the padding's rows zero
+      lambda p: p + 0.02 * jax.random.normal(jax.random.key(p.size), p.shape, p.dtype), params)
+  if vocab_multiple > 1:
+    params[0]["wte"]["embedding"] = params[0]["wte"]["embedding"].at[257:].set(0.0)
+  gpt2_import.save_gpt2_params(model, params, config, tmp_path / "hf")
+  names = json.loads((tmp_path / "hf" / "config.json").read_text())
+  assert (names["n_layer"], names["n_embd"], names["vocab_size"]) == (2, 64, 257)
+  loaded = gpt2_import.load_gpt2_params(model, tokens, tmp_path / "hf",
+                                        per_layer=granularity == "per_layer", vocab_size=257)
+  apply = lambda p: model.apply(p, state, tokens, jax.random.key(0), 0, train=False)[0]
+  np.testing.assert_allclose(apply(loaded), apply(params), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(apply(model.init(jax.random.key(4), tokens)[0]), apply(params),
+                         atol=1e-3)  # a different model gives different logits
+
+
+def test_bad_exports_end_in_one_line_with_status_2(tmp_path):
+  run = lambda *args: subprocess.run([sys.executable, "-m", "layup_jax.export", *args],
+                                     capture_output=True, text=True, cwd=ROOT, timeout=120)
+  missing = run("--workdir", str(tmp_path / "nothing"), "--out", str(tmp_path / "out"))
+  assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+  assert "holds no checkpoint" in missing.stderr
+  help_text = run("--help")
+  assert help_text.returncode == 0 and "--huggingface" in help_text.stdout
+
+
+def test_huggingface_layout_is_refused_for_a_model_that_is_not_gpt2(tmp_path):
+  step = tmp_path / "run" / "checkpoints" / "5" / "meta"
+  step.mkdir(parents=True)
+  config = defaults.get_config()
+  (step / "metadata").write_text(json.dumps({"config": config.to_json_best_effort()}))
+  with pytest.raises(export.ExportError, match="GPT-2 only"):
+    export.export_model(tmp_path / "run", tmp_path / "out", huggingface=True)
