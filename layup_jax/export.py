@@ -19,6 +19,7 @@ device count before JAX starts.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -59,17 +60,18 @@ def saved_config(workdir: str | pathlib.Path, step: int | None = None) -> tuple[
   return chosen, json.loads(meta["config"])
 
 
-def consensus_model(workdir: str | pathlib.Path, step: int | None = None):
-  """`(config, model, params, state, step)`: the consensus model of W's newest readable
-  checkpoint (or `step`), per stage, as the run's evaluation forms it. Needs the run's device
-  count (fake CPU devices will do: `XLA_FLAGS=--xla_force_host_platform_device_count=N`), its
-  data (for shapes and BatchNorm statistics) and any model or data the run registered."""
+@contextlib.contextmanager
+def restored_run(workdir: str | pathlib.Path, step: int | None = None):
+  """The run of W rebuilt from its newest readable checkpoint (or `step`) in this process:
+  yields `(config, model, runtime, dataset, step)`, the runtime holding every replica and its
+  push-sum weights as saved; closed after. Needs the run's device count (fake CPU devices will
+  do: `XLA_FLAGS=--xla_force_host_platform_device_count=N`), its data (for shapes and BatchNorm
+  statistics) and any model or data the run registered."""
   import jax
   import ml_collections
 
   from layup_jax import algorithms, data, models, optim
   from layup_jax.checkpoint.manager import Checkpoints
-  from layup_jax.run.evaluation import Evaluator
   from layup_jax.run.validation import resolve_num_steps
 
   workdir = pathlib.Path(workdir)
@@ -97,16 +99,27 @@ def consensus_model(workdir: str | pathlib.Path, step: int | None = None):
       raise ExportError(f"no readable checkpoint in {workdir}/checkpoints")
     chosen, arrays, meta = restored
     runtime.checkpoint.load_state_dict(arrays, meta["runtime"])
-    statistics = dataset.statistics_inputs(config.precise_bn_batches,
-                                           config.data.eval_batch_size, config.seed)
-    evaluator = Evaluator(model, dataset.test, devices[0], statistics)
-    params, state = jax.device_get(evaluator.consensus_model(runtime.stats.snapshot()))
+    yield config, model, runtime, dataset, chosen
   finally:
     if runtime is not None:
       runtime.close()
     if checkpoints is not None:
       checkpoints.close()
     dataset.close()
+
+
+def consensus_model(workdir: str | pathlib.Path, step: int | None = None):
+  """`(config, model, params, state, step)`: the consensus model of W's newest readable
+  checkpoint (or `step`), per stage, as the run's evaluation forms it (`restored_run`)."""
+  import jax
+
+  from layup_jax.run.evaluation import Evaluator
+
+  with restored_run(workdir, step) as (config, model, runtime, dataset, chosen):
+    statistics = dataset.statistics_inputs(config.precise_bn_batches,
+                                           config.data.eval_batch_size, config.seed)
+    evaluator = Evaluator(model, dataset.test, jax.devices()[0], statistics)
+    params, state = jax.device_get(evaluator.consensus_model(runtime.stats.snapshot()))
   return config, model, list(params), list(state), chosen
 
 
