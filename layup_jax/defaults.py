@@ -245,6 +245,10 @@ def get_config() -> ml_collections.ConfigDict:
   # coordinator_address, so that a gossip run survives the loss of any training process,
   # process 0 included. False: it runs inside process 0, whose loss stops the run.
   config.distributed.external_coordinator = False
+  # The interface process 0's coordination service listens on ("" = the coordinator address's
+  # host when that is a loopback address, so a run on one machine is not reachable from others;
+  # else every interface, as other hosts must reach it).
+  config.distributed.bind_host = ""
   # The address other processes pull gossip sends from ("" = this host's address toward the
   # coordinator).
   config.distributed.transfer_host = ""
@@ -313,7 +317,7 @@ def paper_config(config: ml_collections.ConfigDict, paper: dict[str, dict],
   """`config` for `algorithm` with its column of the experiment's table `paper` (the paper's
   appendix hyper-parameters; `--config configs/<experiment>.py:ddp` picks DDP's column). An
   algorithm without a column runs with `config` as it is; the run says so in one line at start
-  (`run.validation.column_notes`), as it does when `--config.algorithm` names an algorithm
+  (`run.validation.run_notes`), as it does when `--config.algorithm` names an algorithm
   whose column differs from the values the config holds."""
   algorithm = algorithm or "layup"
   config.algorithm = algorithm

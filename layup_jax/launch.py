@@ -52,8 +52,10 @@ def commands(processes: int, port: int, train_args: list[str],
 
 
 def coordinator_command(processes: int, port: int) -> list[str]:
-  """The coordinator's command: the coordination service for `processes`, on `port`."""
-  return [sys.executable, "-m", "layup_jax.multiprocess.coordinator", "--port", str(port),
+  """The coordinator's command: the coordination service for `processes`, on loopback `port`
+  (the processes it serves run on this machine)."""
+  return [sys.executable, "-m", "layup_jax.multiprocess.coordinator", "--host", "127.0.0.1",
+          "--port", str(port),
           "--processes", str(processes)]
 
 

@@ -178,9 +178,13 @@ def main_hosts(argv: list[str]) -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--cpus-per-host", type=int, default=0,
                       help="each host's process on CPUs of its own (cluster_drill.sh; 0: shared)")
-  parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "bench_cluster_cc"))
+  parser.add_argument("--cache", default=None,
+                      help="compilation cache folder (default: a private temporary one)")
   parser.add_argument("--out", default="bench_cluster.json")
   args = parser.parse_args(argv)
+  # A folder of this run's own (mkdtemp: mode 0700, a fresh name): a fixed path under a shared
+  # /tmp, written as root, would let another user plant compiled programs in it first.
+  args.cache = args.cache or tempfile.mkdtemp(prefix="bench_cluster_cache_")
   if os.geteuid() != 0:
     sys.exit("error: run as root (scripts/cluster_drill.sh creates network namespaces)")
   cases = [(a, a, []) for a in args.algorithms]
@@ -294,9 +298,13 @@ def main_processes(argv: list[str]) -> None:
   parser.add_argument("--layouts", nargs="+", default=["1x8", "2x4"])
   parser.add_argument("--num-steps", type=int, default=60)
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "bench_multihost_cc"))
+  parser.add_argument("--cache", default=None,
+                      help="compilation cache folder (default: a private temporary one)")
   parser.add_argument("--out", default="bench_multihost.json")
   args = parser.parse_args(argv)
+  # A folder of this run's own (mkdtemp: mode 0700, a fresh name): a fixed path under a shared
+  # /tmp, written as root, would let another user plant compiled programs in it first.
+  args.cache = args.cache or tempfile.mkdtemp(prefix="bench_cluster_cache_")
   if any(layout.endswith("-netns") for layout in args.layouts) and os.geteuid() != 0:
     sys.exit("error: run as root for a -netns layout (scripts/cluster_drill.sh creates network "
              "namespaces)")

@@ -73,7 +73,7 @@ def main() -> None:
   drift = None
   if compressed:  # the run's residuals (every process's) against the average
 
-    every = gathers.all_gather_pickled(held)
+    every = gathers.all_gather_data(held)
     total = jax.tree.map(lambda *parts: sum(parts), *every)
     drift = float(optax.tree.norm(total) / optax.tree.norm(center))
   sums = runtime.stats.weight_sums()

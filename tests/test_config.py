@@ -21,6 +21,8 @@ from layup_jax.runtime.options import CONFIG_KEYS, RuntimeOptions
     ("straggler.mode", "gpu", r"config.straggler.mode='gpu': must be one of \['host'"),
     ("layup.push_sum", "exact", r"config.layup.push_sum='exact': must be one of \['per_stage'"),
     ("layup.fanout", 0, r"config.layup.fanout=0: must be >= 1"),
+    ("distributed.heartbeat_timeout_s", 0,
+     r"config.distributed.heartbeat_timeout_s=0: must be above 0 s"),
     ("layup.push_sum", "per_model",
      r"config.layup.fanout=2: more than one peer needs layup.push_sum='per_stage' \(per_model: set "),
     ("tuning.pin_host_threads", "yes", r"config.tuning.pin_host_threads='yes': must be one of \['auto'"),
@@ -144,3 +146,24 @@ def test_runtime_options_are_built_from_the_config_keys():
   assert (options.push_sum, options.straggler_mode, options.latency_every) == (
       "per_model", "device", 3)
   assert set(CONFIG_KEYS) == {field.name for field in dataclasses.fields(RuntimeOptions)}
+
+
+def test_a_coordinator_port_in_use_is_one_line(tmp_path):
+  """Process 0 starts the coordination service on the address's port; when another program
+  holds that port the run stops in one line naming the key, not in jaxlib's error."""
+  import socket
+
+  with socket.socket() as taken:
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "layup_jax.train", "--config", "configs/digits.py",
+         f"--workdir={tmp_path}", f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+         "--config.distributed.num_processes=2", "--config.distributed.process_id=0"],
+        capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2, result.stderr[-2000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert errors == [f"error: config.distributed.coordinator_address='127.0.0.1:{port}': the "
+                    f"coordination service cannot listen on port {port} here (in use by another "
+                    f"program or run?); choose a free port"]

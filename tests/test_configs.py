@@ -11,7 +11,7 @@ import pytest
 from layup_jax import data, defaults
 from layup_jax.errors import ConfigError
 from layup_jax.run import runner
-from layup_jax.run.validation import column_notes, validate_config
+from layup_jax.run.validation import column_notes, run_notes, validate_config
 from tests.helpers import write_fashion_mnist
 from tests.tfds_fakes import mocked_tfds
 
@@ -113,3 +113,16 @@ def test_the_papers_variant_runs_by_name_with_algorithm_1s_settings():
   with pytest.raises(ConfigError, match=r"config.layup.push_sum='per_stage': layup_paper runs "
                                         r"with layup.push_sum='per_model' \(`--config <file>:"):
     validate_config(config, 8)
+
+
+def test_a_fanout_above_the_other_devices_is_said_in_one_line_before_the_run():
+  config = defaults.get_config()
+  assert config.algorithm == "layup" and config.layup.fanout == 2
+  config.num_devices = 8
+  assert run_notes(config) == []
+  config.num_devices = 2
+  (note,) = run_notes(config)
+  assert note == ("note: layup.fanout=2 asks for more peers than the 1 other device of this "
+                  "run: each stage goes to 1")
+  config.algorithm = "gosgd"  # one peer per send: fanout is LayUp's alone
+  assert run_notes(config) == []

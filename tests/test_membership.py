@@ -218,7 +218,7 @@ def test_a_lost_hosts_sockets_are_shut_so_that_a_blocked_receive_ends():
 def test_a_gather_reads_the_other_processes_parts_and_not_its_own_back(store, monkeypatch):
   """On another host than the store's, reading its own part back would send it across the link
   again (an evaluation's per-process sums: one model each)."""
-  import pickle
+  from layup_jax.multiprocess import messages
 
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(jax, "process_index", lambda: 1)
@@ -227,9 +227,9 @@ def test_a_gather_reads_the_other_processes_parts_and_not_its_own_back(store, mo
   get = store.blocking_key_value_get_bytes
   monkeypatch.setattr(store, "blocking_key_value_get_bytes",
                       lambda key, timeout_ms: read.append(key) or get(key, timeout_ms))
-  store.key_value_set_bytes("layup_jax/gather/7/0", pickle.dumps({"mass": [1.0, 2.0]}))
+  store.key_value_set_bytes("layup_jax/gather/7/0", messages.encode({"mass": [1.0, 2.0]}))
   store.key_value_set_bytes("layup_jax/gather/8/0", b'{"step": 3}')
-  assert gathers.all_gather_pickled({"mass": [5.0]}) == [{"mass": [1.0, 2.0]},
+  assert gathers.all_gather_data({"mass": [5.0]}) == [{"mass": [1.0, 2.0]},
                                                              {"mass": [5.0]}]
   assert gathers.all_gather_json({"step": 4}) == [{"step": 3}, {"step": 4}]
   assert read == ["layup_jax/gather/7/0", "layup_jax/gather/8/0"]

@@ -4,12 +4,11 @@ gather the live processes only (`membership.members`)."""
 
 import contextlib
 import json
-import pickle
 import time
 
 import jax
 
-from layup_jax.multiprocess import membership
+from layup_jax.multiprocess import membership, messages
 from layup_jax.multiprocess.membership import ProcessLostError, try_get
 from layup_jax.multiprocess.setup import local_positions
 from layup_jax.platform import compat
@@ -20,7 +19,7 @@ from layup_jax.platform import compat
 # process than on another (found: a two-process test failed at a fixed 2-minute wait).
 GATHER_TIMEOUT_S = 120.0
 _GATHER_POLL_MS = 2000
-_pickled_keys: list[str] = []  # this process's keys of its recent `all_gather_pickled` calls
+_data_keys: list[str] = []  # this process's keys of its recent `all_gather_data` calls
 
 
 def await_value(client, key: str, writer: int) -> bytes:
@@ -43,8 +42,8 @@ def await_value(client, key: str, writer: int) -> bytes:
       raise TimeoutError(f"process {writer} did not write {key} within {GATHER_TIMEOUT_S:g} s")
 
 
-def _read_gather(client, prefix: str, mine: bytes) -> list[bytes]:
-  """The values gather `prefix` holds, in process order: every process's, or in an elastic run
+def _read_gather(client, prefix: str, mine: bytes) -> list[tuple[int, bytes]]:
+  """The values gather `prefix` holds, `(process, value)` in process order: every process's, or in an elastic run
   those of the processes the run's leader names (every live process that wrote its value; one
   lost before writing it is left out), so that every survivor reads the same set. A leader
   lost before naming them is followed by the next one, which names them itself; the first
@@ -54,20 +53,20 @@ def _read_gather(client, prefix: str, mine: bytes) -> list[bytes]:
   me = jax.process_index()
   read = lambda k: mine if k == me else await_value(client, f"{prefix}/{k}", k)
   if not membership.members.elastic:
-    return [read(k) for k in range(jax.process_count())]
+    return [(k, read(k)) for k in range(jax.process_count())]
   key = f"{prefix}/members"
   while True:
     leader = membership.members.leader
     if me == leader:
       values = _name_members(client, key, read)
-      return [values[k] for k in sorted(values)]
+      return [(k, values[k]) for k in sorted(values)]
     try:
       names = json.loads(await_value(client, key, leader).decode())
     except ProcessLostError as error:
       if error.process != leader:
         raise
       continue  # the leader was lost before naming them: the next one does
-    return [read(k) for k in names]
+    return [(k, read(k)) for k in names]
 
 
 def _name_members(client, key: str, read) -> dict[int, bytes]:
@@ -100,24 +99,28 @@ def all_gather_json(value) -> list:
   prefix = membership.gather_order.prefix()
   mine = json.dumps(value).encode()
   client.key_value_set_bytes(f"{prefix}/{jax.process_index()}", mine)
-  return [json.loads(part) for part in _read_gather(client, prefix, mine)]
+  return [json.loads(part) for _, part in _read_gather(client, prefix, mine)]
 
 
-def all_gather_pickled(value) -> list:
-  """`all_gather_json` for any picklable value (host arrays: a run's replicas at an
-  evaluation), as bytes through the same store; the processes of one run trust each other."""
+def all_gather_data(value) -> list:
+  """`all_gather_json` for data with arrays (a run's replicas at an evaluation), as messages
+  through the same store (`messages`: data only, nothing read is executed). Each other
+  process's part must have the form of this process's `value` (the same keys, arrays where it
+  has arrays); a part that does not stops this process in one line (`MessageError`)."""
   if jax.process_count() == 1:
     return [value]
   client = compat.coordination_client()
   prefix = membership.gather_order.prefix()
-  mine, pickled = f"{prefix}/{jax.process_index()}", pickle.dumps(value)
-  client.key_value_set_bytes(mine, pickled)
-  parts = [pickle.loads(part) for part in _read_gather(client, prefix, pickled)]
+  mine, encoded = f"{prefix}/{jax.process_index()}", messages.encode(value)
+  client.key_value_set_bytes(mine, encoded)
+  parts = [value if k == jax.process_index() else
+           messages.decode(part, like=value, what=f"part {k} of gather {prefix}")
+           for k, part in _read_gather(client, prefix, encoded)]
   # Our key of two gathers ago has been read by all: each process wrote its key of the last
   # gather only after reading every key of the one before, and we have read those.
-  _pickled_keys.append(mine)
-  if len(_pickled_keys) > 2:
-    client.key_value_delete(_pickled_keys.pop(0))
+  _data_keys.append(mine)
+  if len(_data_keys) > 2:
+    client.key_value_delete(_data_keys.pop(0))
   return parts
 
 

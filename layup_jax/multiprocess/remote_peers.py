@@ -26,12 +26,14 @@ been added on its peer, so the per-stage push-sum sum over all processes is exac
 import collections
 import itertools
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from layup_jax.multiprocess import gathers, membership, traffic
 from layup_jax.multiprocess.wire import (
@@ -59,6 +61,29 @@ _ACK_POLL_S = 0.002  # how often a notice writer reads the acknowledgements whil
 _PULL_POLL_S = 0.001  # how often an elastic run's pull looks whether its source was lost
 
 
+_NOTICE_FIELDS = frozenset({"uuid", "peer", "stage", "amount", "encoded", "offered_at"})
+
+
+def _parse_notice(text: str) -> dict:
+  """A notice as written (JSON); what does not parse to a dict is an empty one, which
+  `notice_problem` refuses."""
+  try:
+    notice = json.loads(text)
+  except ValueError:
+    return {}
+  return notice if isinstance(notice, dict) else {}
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+@jax.jit
+def _all_finite(tree: PyTree) -> jax.Array:
+  """Whether every value of a received stage is finite (one program on its device)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
+
+
 class RemotePeers:
   """This process's sends to, and receipts from, the devices of the other processes."""
 
@@ -67,7 +92,8 @@ class RemotePeers:
                merge: Callable[[int, int, PyTree, float], None],
                read: Callable[[int, int], PyTree],
                correct: Callable[[int, int, PyTree, PyTree], None], host: str = "",
-               max_in_flight: int = 64, sent: traffic.BytesSent | None = None):
+               max_in_flight: int = 64, sent: traffic.BytesSent | None = None,
+               num_stages: int = 0):
     """`process_of[g]`: the process of global device g; this process drives devices
     `first .. first + count - 1` (store indices 0 .. count - 1). `part_template(s)`: the
     pytree of ShapeDtypeStructs of what a send of stage s carries; `merge(j, s, received,
@@ -81,6 +107,7 @@ class RemotePeers:
     self._first, self._count = first, count
     self._template, self._device_of, self._merge = part_template, device_of, merge
     self._read, self._correct = read, correct
+    self.num_stages = num_stages  # a notice names one of them (`notice_problem`)
     self.compressor: Any = None
     self.max_in_flight = max_in_flight
     self.sent = sent if sent is not None else traffic.BytesSent()
@@ -108,6 +135,7 @@ class RemotePeers:
     self.lost: set[int] = set()  # processes declared lost (an elastic run goes on without them)
     # Per other process, the count of its rejoins: a receiver loop of an earlier one ends.
     self._joins = {k: 0 for k in self.other_processes()}
+    self.dropped: dict[int, int] = {}  # per other process, its sends dropped as malformed
 
   def lose(self, process: int) -> None:
     """Process `process` is lost: nothing more goes to it or waits for it; its receiver loop
@@ -290,17 +318,17 @@ class RemotePeers:
         if acknowledged < received:  # idle: acknowledge what is merged
           acknowledged = self._acknowledge(source, received)
         continue
-      notices = [json.loads(first)]
+      notices = [_parse_notice(first)]
       if received % _BATCH != _BATCH - 1:  # not the batch's last: more may wait behind it
         batch = self._batch_key(self._me, source, received + 1)
         waiting = {int(k.rsplit("/", 1)[1]): v
                    for k, v in self._client.key_value_dir_get(batch + "/")}
         n = received + 2
         while n in waiting:
-          notices.append(json.loads(waiting[n]))
+          notices.append(_parse_notice(waiting[n]))
           n += 1
       for notice in notices:
-        if notice.get("average"):
+        if notice.get("average") is True:
           self._answer_average(source, notice)
         else:
           self._receive_one(source, notice)
@@ -321,13 +349,47 @@ class RemotePeers:
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
   def _receive_one(self, source: int, notice: dict) -> None:
-    """Pulls one announced send onto its device and merges it."""
+    """Pulls one announced send onto its device and merges it, if the notice is well formed
+    and what arrived is finite (else it is dropped, `_drop`)."""
+    problem = self.notice_problem(notice)
+    if problem is not None:
+      self._drop(source, problem)
+      return
     j, s = notice["peer"] - self._first, notice["stage"]
     received = self._arrived(source, self._pull(source, notice["uuid"], j, s, notice["encoded"]))
     if notice["encoded"]:
       received = self.compressor.decode(s, received)
+    if not bool(_all_finite(received)):
+      self._drop(source, f"stage {s} for device {notice['peer']} holds non-finite values")
+      return
     self._merge(j, s, received, float(notice["amount"]))
     self.latencies.append(time.time() - notice["offered_at"])
+
+  def notice_problem(self, notice: Any, average: bool = False) -> str | None:
+    """What is wrong with a received gossip notice (None: nothing): its peer must be a device of
+    this process, its stage one of the model's, its push-sum amount finite and in (0, 1] (a
+    pairwise average's, `average`, carries none)."""
+    if not isinstance(notice, dict) or not _NOTICE_FIELDS <= set(notice):
+      return "a notice without its fields"
+    peer, stage, amount = notice["peer"], notice["stage"], notice["amount"]
+    if not _is_int(peer) or not self._first <= peer < self._first + self._count:
+      return f"a notice for device {peer!r}, not one of this process's"
+    if not _is_int(stage) or not 0 <= stage < self.num_stages:
+      return f"a notice for stage {stage!r} of {self.num_stages}"
+    if not average and (not isinstance(amount, (int, float)) or isinstance(amount, bool)
+                        or not 0.0 < amount <= 1.0):  # NaN compares false: refused too
+      return f"a notice carrying push-sum amount {amount!r}, not in (0, 1]"
+    if not _is_int(notice["uuid"]) or not isinstance(notice["encoded"], bool) or not isinstance(
+        notice["offered_at"], (int, float)):
+      return "a notice with a malformed offer"
+    return None
+
+  def _drop(self, source: int, problem: str) -> None:
+    """A bad send from `source` is dropped and counted; its sender is named once."""
+    self.dropped[source] = self.dropped.get(source, 0) + 1
+    if self.dropped[source] == 1:
+      print(f"process {self._me}: dropped a send from process {source}: {problem} (sends "
+            f"dropped are counted, this line is not repeated)", file=sys.stderr, flush=True)
 
   # --- pairwise averages (AD-PSGD) ------------------------------------------------------------
 
@@ -363,12 +425,21 @@ class RemotePeers:
 
   def _answer_average(self, source: int, notice: dict) -> None:
     """The peer's side of `average`: offers its version as read now, then pulls the
-    requester's and corrects its own toward the average."""
+    requester's and corrects its own toward the average (unless the notice is malformed or
+    what arrives is not finite: dropped, `_drop`)."""
+    problem = self.notice_problem(notice, average=True)
+    if problem is not None:
+      self._drop(source, problem)
+      return
     j, s = notice["peer"] - self._first, notice["stage"]
     theirs = jax.block_until_ready(self._read(j, s))
     uuid = self._offer(theirs)
     self._client.key_value_set(f"layup_jax/gossip-reply/{source}/{notice['uuid']}", str(uuid))
-    self._correct(j, s, theirs, self._arrived(source, self._pull(source, notice["uuid"], j, s)))
+    other = self._arrived(source, self._pull(source, notice["uuid"], j, s))
+    if not bool(_all_finite(other)):
+      self._drop(source, f"stage {s} for device {notice['peer']} holds non-finite values")
+      return
+    self._correct(j, s, theirs, other)
     self.latencies.append(time.time() - notice["offered_at"])
 
   def _arrived(self, source: int, pulled: PyTree) -> PyTree:

@@ -24,6 +24,8 @@ process 0 the state every process holds the same, with the metadata gathered fro
 """
 
 import dataclasses
+import errno
+import socket
 
 import jax
 import ml_collections
@@ -85,20 +87,66 @@ def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> 
   membership.members.external_coordinator = chosen.external_coordinator
   join = (compat.initialize_without_service if chosen.external_coordinator
           else jax.distributed.initialize)
-  join(
-      coordinator_address=chosen.coordinator_address,
-      num_processes=chosen.num_processes,
-      process_id=chosen.process_id,
-      # JAX's own detection, later than `Watchdog`'s, so that ours names the process first, and
-      # never under a minute: a process JAX's service finds silent is aborted (SIGABRT, no
-      # message of ours), and on a loaded host its heartbeat thread can miss a few seconds.
-      heartbeat_timeout_seconds=max(3 * chosen.heartbeat_timeout_s, 60),
-  )
+  kwargs = {}
+  if not chosen.external_coordinator:
+    kwargs["coordinator_bind_address"] = bind_address(chosen.coordinator_address,
+                                                      config.get("bind_host", ""))
+    if chosen.process_id == 0:
+      _check_port_free(kwargs["coordinator_bind_address"], chosen.coordinator_address)
+  try:
+    join(
+        **kwargs,
+        coordinator_address=chosen.coordinator_address,
+        num_processes=chosen.num_processes,
+        process_id=chosen.process_id,
+        # JAX's own detection, later than `Watchdog`'s, so that ours names the process first,
+        # and never under a minute: a process JAX's service finds silent is aborted (SIGABRT,
+        # no message of ours), and on a loaded host its heartbeat thread can miss a few seconds.
+        heartbeat_timeout_seconds=max(3 * chosen.heartbeat_timeout_s, 60),
+    )
+  except Exception as error:
+    if "Failed to start RPC server" not in str(error):
+      raise
+    raise _port_in_use(chosen.coordinator_address) from None
   client = compat.coordination_client()
   if chosen.external_coordinator and compat.distributed_process_id() == 0 and membership.try_get(
       client, "layup_jax/alive/0") is not None:  # process 0 started again into its run
     compat.forget_global_topology(client)
   return True
+
+
+_LOOPBACK = ("127.", "localhost", "::1", "[::1]")
+
+
+def _port_in_use(coordinator_address: str) -> ConfigError:
+  port = coordinator_address.rsplit(":", 1)[-1]
+  return ConfigError(f"config.distributed.coordinator_address={coordinator_address!r}: the "
+                     f"coordination service cannot listen on port {port} here (in use by "
+                     f"another program or run?); choose a free port")
+
+
+def _check_port_free(bind: str, coordinator_address: str) -> None:
+  """Process 0's service port, bound and released: jaxlib's service, failing to bind one that
+  is in use, crashes the process (SIGSEGV) when told an address to listen on."""
+  host, port = bind.rsplit(":", 1)
+  host = host.strip("[]")
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+      probe.bind((host if host != "::" else "::", int(port)))
+  except OSError as error:
+    if error.errno == errno.EADDRINUSE:
+      raise _port_in_use(coordinator_address) from None
+
+
+def bind_address(coordinator_address: str, bind_host: str = "") -> str:
+  """`host:port` the coordination service in process 0 listens on: `bind_host` if set, else the
+  coordinator address's own host when it is a loopback address (nothing outside this machine
+  can reach the run's store), else every interface."""
+  host, port = coordinator_address.rsplit(":", 1)
+  if not bind_host:
+    bind_host = host if host.startswith(_LOOPBACK) else "[::]"
+  return f"{bind_host}:{port}"
 
 
 def is_primary() -> bool:

@@ -18,7 +18,7 @@ from layup_jax.measure import provenance
 from layup_jax.multiprocess import setup
 from layup_jax.platform import compile_cache
 from layup_jax.run.session import Every, Session
-from layup_jax.run.validation import column_notes, validate_config
+from layup_jax.run.validation import run_notes, validate_config
 
 
 def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
@@ -31,7 +31,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
   """
   validate_config(config, len(jax.devices()))
   if jax.process_index() == 0:
-    for note in column_notes(config):
+    for note in run_notes(config):
       print(note, file=sys.stderr, flush=True)
   setup.check_supported(config, algorithms.get(config.algorithm).gossip)
   code_version = provenance.code_version()  # the code that runs (a commit during it changes none)

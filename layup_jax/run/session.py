@@ -319,7 +319,8 @@ class Session:
       self.writer.write({**common, "split": "train", "loss": train_loss,
                          "samples_per_s": self.samples_per_s(), **self.throughput(),
                          "stage_update_latency_ms": self._stage_latencies(),
-                         "skipped_steps": stats.skipped_steps(), **self.traffic()})
+                         "skipped_steps": stats.skipped_steps(),
+                         "sends_dropped": stats.sends_dropped(), **self.traffic()})
     self.remote_latencies.extend(stats.remote_send_latencies())
     record = {**common, "split": "test", **self.evaluator.evaluate(stats.snapshot())}
     if self.dataset.kind == "language_model":  # accuracy is next-token accuracy

@@ -93,6 +93,9 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "baselines.ddp_batch_norm", ddp.BATCH_NORM)
   _one_of(config, "baselines.co2_resume", ("correct", "restart"))
   _one_of(config, "distributed.compression", compression.CODECS)
+  _require(config.distributed.heartbeat_timeout_s > 0, "distributed.heartbeat_timeout_s",
+           config.distributed.heartbeat_timeout_s,
+           "must be above 0 s (at 0 every process would find every other silent at once)")
 
   for key, value in defaults.ALGORITHM_SETTINGS.get(config.algorithm, {}).items():
     _require(_get(config, key) == value, key, _get(config, key),
@@ -209,6 +212,19 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     else:
       flat[f"{prefix}{key}"] = value
   return flat
+
+
+def run_notes(config: ml_collections.ConfigDict) -> list[str]:
+  """The lines a run prints before it starts about what it does other than its config says:
+  `column_notes`, and a `layup.fanout` above the run's other devices (each stage then goes to
+  every other device, no more)."""
+  notes = column_notes(config)
+  others = config.num_devices - 1
+  if config.algorithm == "layup" and config.layup.fanout > others:
+    notes.append(f"note: layup.fanout={config.layup.fanout} asks for more peers than the "
+                 f"{others} other device{'s' if others != 1 else ''} of this run: each stage "
+                 f"goes to {others}")
+  return notes
 
 
 def column_notes(config: ml_collections.ConfigDict) -> list[str]:

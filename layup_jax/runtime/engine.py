@@ -110,10 +110,11 @@ class AsyncRuntime:
     self.stats = RunStats(
         self.num_devices, self.num_stages, self.store.snapshot, lambda: self.store.weights.values,
         lambda: [r.iteration - at for r, at in zip(self.store.replicas, self.elastic.joined_at)],
-        gather=gathers.all_gather_pickled if self.across_processes else None,
+        gather=gathers.all_gather_data if self.across_processes else None,
         remote_latencies=self.transport.latencies,
         host_cpu=lambda: sum(s.cpu_s for s in {self.dispatcher, self.updater}),
-        bytes_sent=lambda: self.transport.sent.total)
+        bytes_sent=lambda: self.transport.sent.total,
+        sends_dropped=lambda: self.transport.sends_dropped)
     self._checks = FiniteChecks(self.num_devices, options.nonfinite, self.stats,
                                 self.num_stages - 1)
     self.checkpoint = RuntimeCheckpoint(self)

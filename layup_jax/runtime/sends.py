@@ -158,7 +158,7 @@ class Transport:
           store.part_template, store.device,
           lambda j, s, received, amount: store.merge(j, s, received, amount, True),
           lambda j, s: store.take(j, s, halve=False)[0], store.correct_toward,
-          host=transfer_host, sent=self.sent)
+          host=transfer_host, sent=self.sent, num_stages=store.num_stages)
     self.across_processes = self._remote is not None
     # Seconds from offer to merge of each send from another process (None in one process).
     self.latencies = self._remote.latencies if self._remote is not None else None
@@ -172,6 +172,11 @@ class Transport:
     self._remote.compressor = compression.Compressor(
         codec, [store.part_template(s) for s in range(store.num_stages)],
         [store.device(j) for j in range(store.num_devices)])
+
+  @property
+  def sends_dropped(self) -> int:
+    """Sends from other processes dropped as malformed (0 in one process)."""
+    return sum(self._remote.dropped.values()) if self._remote is not None else 0
 
   @property
   def compressor(self) -> compression.Compressor | None:

@@ -80,7 +80,7 @@ class RuntimeCheckpoint:
     exchange_arrays = _exchange_arrays(arrays)
     same = set(self.extra.same_on_every_process)
     own_copy = wire.host_tree({k: v for k, v in exchange_arrays.items() if k in same})
-    parts = gathers.all_gather_pickled({
+    parts = gathers.all_gather_data({
         "arrays": wire.host_tree({k: v for k, v in exchange_arrays.items()
                                           if k not in same}),
         "meta": meta, "first": self.rt.first, "process": jax.process_index(),

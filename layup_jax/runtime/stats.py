@@ -60,16 +60,18 @@ class RunStats:
                gather: Callable[[Any], list[Any]] | None = None,
                remote_latencies: collections.deque | None = None, timed: bool = True,
                host_cpu: Callable[[], float] | None = None,
-               bytes_sent: Callable[[], int] = lambda: 0, identical_processes: int = 1):
+               bytes_sent: Callable[[], int] = lambda: 0, identical_processes: int = 1,
+               sends_dropped: Callable[[], int] = lambda: 0):
     """`read_*` give this process's models, push-sum weights and iterations per device;
-    `gather` (a run across processes: `distributed.all_gather_pickled`) collects a value from
+    `gather` (a run across processes: `gathers.all_gather_data`) collects a value from
     every process; `remote_latencies` are the seconds of sends from other processes, as they
     merge; `timed`: whether stages' update latencies are sampled at all (DDP's are not);
     `host_cpu` the CPU seconds the runtime's own threads have spent dispatching (None: the
     runtime dispatches from the caller's thread); `bytes_sent` the bytes this process has sent
     to other processes so far (`layup_jax.multiprocess.traffic`), summed over processes by `collect`, or,
     without `gather`, multiplied by `identical_processes` (DDP: every process runs the same
-    all-reduces)."""
+    all-reduces); `sends_dropped` the sends from other processes this process dropped as
+    malformed (`RemotePeers.notice_problem`, non-finite values), summed by `collect`."""
     self.num_stages = num_stages
     self.losses: list[list[float]] = [[] for _ in range(num_devices)]
     self.skipped = [0] * num_devices
@@ -80,6 +82,7 @@ class RunStats:
     self._timed = timed
     self._host_cpu = host_cpu
     self._bytes_sent, self._identical_processes = bytes_sent, identical_processes
+    self._sends_dropped = sends_dropped
     self._collected: dict[str, Any] | None = None
 
   # --- what the runtime records ----------------------------------------------------------------
@@ -111,7 +114,8 @@ class RunStats:
             "weights": snapshot.weights, "state_weights": snapshot.state_weights,
             "losses": self._drain_losses(), "latencies": self._drain_latencies(),
             "iterations": self._read_iterations(), "skipped": list(self.skipped),
-            "remote_latencies": self._drain_remote(), "bytes_sent": self._bytes_sent()}
+            "remote_latencies": self._drain_remote(), "bytes_sent": self._bytes_sent(),
+            "sends_dropped": self._sends_dropped()}
     parts = self._gather(mine)
     joined = lambda key: [x for part in parts for x in part[key]]
     weights, state_weights = joined("weights"), joined("state_weights")
@@ -128,6 +132,7 @@ class RunStats:
         "losses": joined("losses"), "iterations": joined("iterations"),
         "skipped": joined("skipped"), "remote_latencies": joined("remote_latencies"),
         "bytes_sent": sum(part["bytes_sent"] for part in parts),
+        "sends_dropped": sum(part["sends_dropped"] for part in parts),
         "latencies": [[x for part in parts for x in part["latencies"][s]]
                       for s in range(self.num_stages)],
     }
@@ -163,6 +168,10 @@ class RunStats:
   def iterations_per_device(self) -> list[int]:
     """Iterations each device has done (a straggler does fewer under LayUp)."""
     return list(self._part("iterations", self._read_iterations))
+
+  def sends_dropped(self) -> int:
+    """Sends from other processes dropped as malformed so far, by every process of the run."""
+    return self._part("sends_dropped", self._sends_dropped)
 
   def bytes_between_processes(self) -> int:
     """The bytes every process of the run has sent to the others so far (0 in one process)."""
