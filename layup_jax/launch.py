@@ -26,6 +26,7 @@ coordinator's own failure stops every process.
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -59,12 +60,21 @@ def coordinator_command(processes: int, port: int) -> list[str]:
           "--processes", str(processes)]
 
 
+# The run's secret, as `layup_jax.multiprocess.signed.SECRET_VARIABLE` names it (this module
+# imports nothing of the package's, so that it starts at once).
+SECRET_VARIABLE = "LAYUP_JAX_RUN_SECRET"
+
+
 def environment(devices_per_process: int) -> dict[str, str]:
+  """The training processes' environment: this one's, each process's fake device count, and
+  the run's secret (a fresh one unless the caller set it), with which they sign and check what
+  they exchange through the coordination service."""
   flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                    if "xla_force_host_platform_device_count" not in f)
   return {**os.environ, "PYTHONUNBUFFERED": "1",
           "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
-          .strip()}
+          .strip(),
+          SECRET_VARIABLE: os.environ.get(SECRET_VARIABLE) or secrets.token_hex(32)}
 
 
 def visible_gpus(environ: dict[str, str], driver_dir: str = "/proc/driver/nvidia/gpus"

@@ -164,6 +164,8 @@ started=$(date +%s.%N)
 # The process's own output goes through sed; the subshell's (bash's "Killed" with the whole
 # command line, for a process killed by a signal) is dropped: the status names it.
 STATUSES=$(mktemp -d)
+# The run's secret (layup_jax/multiprocess/signed.py): every host's process gets the same one.
+export LAYUP_JAX_RUN_SECRET=${LAYUP_JAX_RUN_SECRET:-$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')}
 pids=()
 for ((k = 0; k < HOSTS; k++)); do
   prefix=""; [ "$k" -gt 0 ] && prefix="[p$k] "

@@ -7,7 +7,8 @@ The threaded runtime on this process's devices of a 4-device run, learning rate 
 replica given its own parameters (drawn from its global position): only gossip moves them, and
 push-sum must keep each stage's weighted average over all processes. Process 0 prints one JSON
 line: the average's relative change, the weight sums, the disagreement before and after, the
-iterations per device (OPTION=VALUE: `RuntimeOptions` fields, as Python literals), the sends
+iterations per device (OPTION=VALUE: `RuntimeOptions` fields, as Python literals; `stranger=True`:
+process 1 first writes a notice and a `lost/1` key unsigned, as a client outside the run), the sends
 that crossed processes and their bytes, each stage's bytes as sent, and with compression the
 average's drift before the mass held back was returned (the run's residuals over the average).
 """
@@ -28,8 +29,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 def main() -> None:
   port, processes, process_id, algorithm, iterations = sys.argv[1:6]
   options = {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in sys.argv[6:])}
+  stranger = options.pop("stranger", False)
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
                              num_processes=int(processes), process_id=int(process_id))
+  if stranger and int(process_id) == 1:  # writes as a client without the run's secret would
+    from layup_jax.platform import compat
+
+    raw = compat.coordination_client()
+    raw.key_value_set("layup_jax/gossip/0/1/0/1", json.dumps(
+        {"uuid": 1, "peer": 0, "stage": 0, "amount": 1.0, "offered_at": 0.0,
+         "average": False, "encoded": False}))
+    raw.key_value_set("layup_jax/lost/1", "5")
   import optax
 
   from layup_jax.algorithms.gossip import ADPSGD, GoSGD

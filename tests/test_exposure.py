@@ -3,7 +3,6 @@ loopback only; on a cluster it listens where the user says, or on every interfac
 
 import socket
 import subprocess
-import sys
 import time
 
 import pytest

@@ -196,7 +196,8 @@ def test_without_the_launcher_a_dead_process_stops_the_others_in_one_line(tmp_pa
               "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "run"
   args = ["--config", "configs/digits.py", "--workdir", str(work), *_overrides(settings)]
-  processes = [subprocess.Popen(command, cwd=ROOT, env=environment(4), stdout=subprocess.PIPE,
+  env = environment(4)  # one run, one secret
+  processes = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
                for command in commands(2, free_port(), args)]
   try:
@@ -320,9 +321,9 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   rerouted to a device of the sender's process, and with the sends between processes
   compressed: the weights exact, the mass the error feedback held back returned at the end
   (the average's drift before it was, reported, is the compression's)."""
-  port, script = free_port(), ROOT / "tests" / "multiprocess_pushsum.py"
+  port, script, env = free_port(), ROOT / "tests" / "multiprocess_pushsum.py", environment(2)
   processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), algorithm,
-                                 "150", *options], cwd=ROOT, env=environment(2), stdout=subprocess.PIPE,
+                                 "150", *options], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for k in range(2)]
   try:
     outputs = [process.communicate(timeout=300)[0] for process in processes]
@@ -354,6 +355,33 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
     print(f"int8 sends: the average drifted by {result['compression_drift']:.2e} (relative) "
           f"before the held mass returned, {result['relative_change']:.2e} after")
     assert 1e-7 < result["compression_drift"] < 1e-2
+
+
+@pytest.mark.multiprocess
+def test_a_notice_without_the_run_secret_is_ignored():
+  """Before the run gossips, a client of the coordination service (process 1's own client,
+  unsigned) writes a well-formed gossip notice under the key of process 1's first notice to
+  process 0, and `lost/1`: process 0 ignores the notice, naming its key in one line, the run's
+  own notice takes the key, and push-sum's weight sums end at 1 within 1e-9 with the average
+  kept (tests/multiprocess_pushsum.py, LayUp, 2 x 2 devices, learning rate 0)."""
+  port, script, env = free_port(), ROOT / "tests" / "multiprocess_pushsum.py", environment(2)
+  processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), "layup",
+                                 "150", "compression='none'", "stranger=True"], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True) for k in range(2)]
+  try:
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+  finally:
+    for process in processes:
+      process.kill()
+  assert [process.returncode for process in processes] == [0, 0], _tail(outputs[0])
+  ignored = [line for line in outputs[0].splitlines() if line.startswith("ignored the value")]
+  assert ignored == ["ignored the value at layup_jax/gossip/0/1/0/1: it does not carry this "
+                     "run's tag (written from outside the run, or with another "
+                     "LAYUP_JAX_RUN_SECRET)"], _tail(outputs[0])
+  result = json.loads([line for line in outputs[0].splitlines() if line.startswith("{")][-1])
+  assert result["weight_sums"] == pytest.approx([1.0] * 3, abs=1e-9)
+  assert result["relative_change"] < 1e-5 and result["sends_between_processes"] > 600 / 12
 
 
 def test_the_launcher_gives_each_process_its_place_and_its_devices():

@@ -8,10 +8,9 @@ import time
 
 import jax
 
-from layup_jax.multiprocess import membership, messages
+from layup_jax.multiprocess import membership, messages, signed
 from layup_jax.multiprocess.membership import ProcessLostError, try_get
 from layup_jax.multiprocess.setup import local_positions
-from layup_jax.platform import compat
 
 # How long a gather waits for another process's value when no watchdog guards the run. Under a
 # watchdog a gather waits as long as the writer lives (the watchdog ends or fences off a silent
@@ -95,7 +94,7 @@ def all_gather_json(value) -> list:
   order. In an elastic run, the live processes' values only (`members`)."""
   if jax.process_count() == 1:
     return [value]
-  client = compat.coordination_client()
+  client = signed.client()
   prefix = membership.gather_order.prefix()
   mine = json.dumps(value).encode()
   client.key_value_set_bytes(f"{prefix}/{jax.process_index()}", mine)
@@ -109,7 +108,7 @@ def all_gather_data(value) -> list:
   has arrays); a part that does not stops this process in one line (`MessageError`)."""
   if jax.process_count() == 1:
     return [value]
-  client = compat.coordination_client()
+  client = signed.client()
   prefix = membership.gather_order.prefix()
   mine, encoded = f"{prefix}/{jax.process_index()}", messages.encode(value)
   client.key_value_set_bytes(mine, encoded)

@@ -10,7 +10,7 @@ import time
 import jax
 
 from layup_jax.errors import RejoinError
-from layup_jax.platform import compat
+from layup_jax.multiprocess import signed
 
 
 def try_get(client, key: str) -> str | None:
@@ -28,7 +28,7 @@ FINISHED_KEY = "layup_jax/finished"  # written by the run's leader when the run 
 
 def run_finished() -> bool:
   """Whether the run's leader has said the run is done (`Watchdog.finish`)."""
-  return try_get(compat.coordination_client(), FINISHED_KEY) is not None
+  return try_get(signed.client(), FINISHED_KEY) is not None
 
 
 class ProcessLostError(RuntimeError):
@@ -151,7 +151,7 @@ class Membership:
   def joining(self) -> list[int]:
     """The leader, at a consistent point: the lost process that asked to rejoin first, if any
     (one per consistent point)."""
-    client = compat.coordination_client()
+    client = signed.client()
     asked = sorted(int(key.rsplit("/", 1)[1])
                    for key, _ in client.key_value_dir_get("layup_jax/join/"))
     return [k for k in asked if self.is_lost(k)][:1]
@@ -159,7 +159,7 @@ class Membership:
   @staticmethod
   def clear(process: int) -> None:
     """The leader, before telling the others: `process` is no longer declared lost."""
-    client = compat.coordination_client()
+    client = signed.client()
     for kind in ("lost", "join", "joining"):
       client.key_value_delete(f"layup_jax/{kind}/{process}")
 
@@ -169,7 +169,7 @@ class Membership:
     with self._lock:
       lost = [[k, s] for k, s in self.lost.items() if k != process]
     admission = {"step": step, "gather": gather_order.next, "lost": lost, "leader": self.leader}
-    compat.coordination_client().key_value_set(f"layup_jax/admit/{process}",
+    signed.client().key_value_set(f"layup_jax/admit/{process}",
                                                json.dumps(admission), allow_overwrite=True)
 
   def rejoined(self, process: int) -> None:
@@ -184,7 +184,7 @@ class Membership:
     """The restarted process: asks to rejoin and waits until the leader admits it at a
     consistent point; then gathers with the others. Returns the admission (`step`, and the
     processes still `lost`); raises if the run ends first."""
-    me, client = jax.process_index(), compat.coordination_client()
+    me, client = jax.process_index(), signed.client()
     client.key_value_set(f"layup_jax/join/{me}", "1", allow_overwrite=True)
     print(f"process {me} is ready and asks to rejoin at the run's next evaluation or "
           f"checkpoint step", file=sys.stderr, flush=True)

@@ -24,8 +24,8 @@ been added on its peer, so the per-stage push-sum sum over all processes is exac
 """
 
 import collections
-import itertools
 import json
+import secrets
 import sys
 import threading
 import time
@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from layup_jax.multiprocess import gathers, membership, traffic
+from layup_jax.multiprocess import gathers, membership, signed, traffic
 from layup_jax.multiprocess.wire import (
   _address_key,
   _host_of,
@@ -44,7 +44,6 @@ from layup_jax.multiprocess.wire import (
   start_server,
   transfer_host,
 )
-from layup_jax.platform import compat
 
 PyTree = Any
 _NOTICE_WAIT_MS = 200  # a receiver looks at the stop flag this often while no notice comes
@@ -102,7 +101,7 @@ class RemotePeers:
     bytes of every offer (each is pulled once, by another process). `compressor`
     (layup_jax/pushsum/compression.py), set before the run when sends travel compressed, decodes
     them."""
-    self._client = compat.coordination_client()
+    self._client = signed.client()
     self._me, self._process_of = jax.process_index(), list(process_of)
     self._first, self._count = first, count
     self._template, self._device_of, self._merge = part_template, device_of, merge
@@ -122,7 +121,6 @@ class RemotePeers:
     else:
       self._addresses = dict(enumerate(gathers.all_gather_json(self._server.address())))
     self._connections: dict[int, Any] = {}
-    self._uuids = itertools.count(1)
     self._lock = threading.Lock()  # notice counters and acknowledgements, shared by senders
     self._sent = {k: 0 for k in self.other_processes()}
     self._acked = {k: 0 for k in self.other_processes()}
@@ -243,7 +241,7 @@ class RemotePeers:
         for key, value in batch:
           if process in self.lost:
             break
-          self._client.key_value_set(key, value)
+          self._client.key_value_set(key, value, allow_overwrite=True)  # over a stranger's
         if self._acked[process] < self._sent[process] and process not in self.lost:
           self.acknowledged(process)
       except Exception:
@@ -251,8 +249,9 @@ class RemotePeers:
           raise
 
   def _offer(self, part: PyTree) -> int:
-    """Offers `part` (computed) to one pull under a fresh uuid; returns the uuid."""
-    uuid = (self._me << 48) | next(self._uuids)
+    """Offers `part` (computed) to one pull under a fresh random uuid (62 bits: a client that
+    reaches the transfer server cannot guess one to pull a replica's stage); returns it."""
+    uuid = 1 + secrets.randbits(62)
     leaves = jax.tree.leaves(part)
     self._server.await_pull(uuid, leaves)
     self.sent.add(traffic.tree_bytes(leaves))

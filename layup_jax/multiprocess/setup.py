@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 
 from layup_jax.errors import ConfigError
-from layup_jax.multiprocess import membership
+from layup_jax.multiprocess import membership, signed
 from layup_jax.platform import compat
 
 AUTO = "auto"  # distributed.coordinator_address: JAX's cluster auto-detection (SLURM, ...)
@@ -108,7 +108,7 @@ def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> 
     if "Failed to start RPC server" not in str(error):
       raise
     raise _port_in_use(chosen.coordinator_address) from None
-  client = compat.coordination_client()
+  client = signed.client()
   if chosen.external_coordinator and compat.distributed_process_id() == 0 and membership.try_get(
       client, "layup_jax/alive/0") is not None:  # process 0 started again into its run
     compat.forget_global_topology(client)

@@ -9,9 +9,8 @@ import time
 
 import jax
 
-from layup_jax.multiprocess import membership
+from layup_jax.multiprocess import membership, signed
 from layup_jax.multiprocess.membership import run_finished, try_get
-from layup_jax.platform import compat
 
 _FAREWELL_S = 120.0  # how long process 0 of an elastic run waits for the others at the end
 _FAREWELL_GRACE_S = 1.0  # and then, for their last word to the service
@@ -39,7 +38,7 @@ class Watchdog:
   EXIT_STATUS = 4
 
   def __init__(self, timeout_s: float, period_s: float = 1.0, elastic: bool = False):
-    self._client = compat.coordination_client()
+    self._client = signed.client()
     self._me, self._count = jax.process_index(), jax.process_count()
     self._timeout_s, self._period_s = timeout_s, period_s
     self._elastic = membership.members.elastic = elastic
