@@ -137,3 +137,35 @@ def test_huggingface_layout_is_refused_for_a_model_that_is_not_gpt2(tmp_path):
   (step / "metadata").write_text(json.dumps({"config": config.to_json_best_effort()}))
   with pytest.raises(export.ExportError, match="GPT-2 only"):
     export.export_model(tmp_path / "run", tmp_path / "out", huggingface=True)
+
+
+def test_a_trained_gpt2_exported_in_hugging_faces_layout_reads_back_to_its_logits(tmp_path):
+  """A few steps of the language-model benchmark's GPT-2 (a stage per sub-layer) on a corpus of
+  the test's own, exported with `huggingface=True`: the Hugging Face folder read by the import
+  `model.pretrained` uses gives the exported model's logits to 1e-5."""
+  from tests.test_language_model import benchmark_config
+
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  for i in range(8):
+    (corpus / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x + {j}\n\n"
+                                             for j in range(i, i + 30)))
+  config = benchmark_config("ddp")
+  config.data.text_dir, config.data.token_cache_dir = str(corpus), ""
+  config.data.seq_len = config.model.max_len = 32
+  config.data.batch_size, config.data.eval_batch_size = 4, 16
+  config.num_devices, config.num_steps, config.eval_every = 2, 4, 4
+  config.progress_bar, config.metrics.tensorboard = False, False
+  layup_jax.train(config, tmp_path / "run")
+  layup_jax.export_model(tmp_path / "run", tmp_path / "model", huggingface=True)
+  exported = layup_jax.load_model(tmp_path / "model")
+  tokens = np.random.default_rng(1).integers(0, 257, (3, 32)).astype(np.int32)
+  imported = gpt2_import.load_gpt2_params(
+      exported.model, tokens, tmp_path / "model" / export.HUGGINGFACE, per_layer=True,
+      vocab_size=257)
+  again = export.ExportedModel(exported.config, exported.model, imported, exported.state)
+  np.testing.assert_allclose(again(tokens), exported(tokens), rtol=1e-5, atol=1e-5)
+  initial, _ = exported.model.init(jax.random.key(0), tokens)
+  assert not np.allclose(export.ExportedModel(exported.config, exported.model, initial,
+                                              exported.state)(tokens), exported(tokens),
+                         atol=1e-3)  # another GPT-2 of the same shape gives other logits
