@@ -23,9 +23,7 @@ PAPER = {}
 PAPER["ddp"] = {"optimizer.learning_rate": 0.012, "optimizer.warmup_fraction": 0.2}
 PAPER["layup"] = {"optimizer.learning_rate": 0.012, "optimizer.warmup_fraction": 0.2}
 PAPER["layup_paper"] = PAPER["layup"]  # not searched on its own: LayUp's values
-# GoSGD's search is not finished (its best so far, 0.012 with 20 %, sits at the grid's edge):
-# the grid's first point until it is.
-PAPER["gosgd"] = {"optimizer.learning_rate": 3e-3, "optimizer.warmup_fraction": 0.05}
+PAPER["gosgd"] = {"optimizer.learning_rate": 0.012, "optimizer.warmup_fraction": 0.2}
 PAPER["diloco"] = {"optimizer.learning_rate": 0.006, "optimizer.warmup_fraction": 0.2,
                    "optimizer.weight_decay": 0.1,
                    "baselines.out_freq": 12}
