@@ -60,3 +60,19 @@ def test_the_launchers_coordinator_is_not_reachable_from_another_address(tmp_pat
   finally:
     service.terminate()
     service.wait(timeout=30)
+
+
+def test_cluster_detection_leaves_the_service_where_jax_puts_it(monkeypatch):
+  """`coordinator_address="auto"`: JAX finds the coordinator itself; no bind address is made up."""
+  import jax
+
+  from layup_jax import defaults
+
+  joined = []
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: joined.append(kwargs))
+  config = defaults.get_config().distributed
+  config.coordinator_address = "auto"
+  assert setup.initialize(config) is True
+  assert joined == [{"coordinator_address": None, "num_processes": None, "process_id": None,
+                     "heartbeat_timeout_seconds": 60}]

@@ -88,7 +88,7 @@ def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> 
   join = (compat.initialize_without_service if chosen.external_coordinator
           else jax.distributed.initialize)
   kwargs = {}
-  if not chosen.external_coordinator:
+  if not chosen.external_coordinator and chosen.coordinator_address is not None:  # not "auto"
     kwargs["coordinator_bind_address"] = bind_address(chosen.coordinator_address,
                                                       config.get("bind_host", ""))
     if chosen.process_id == 0:
