@@ -303,6 +303,23 @@ def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tm
       assert a == pytest.approx(b, rel=1e-5, abs=1e-6), name
 
 
+def _pushsum_run(algorithm: str, options: list[str]) -> tuple[str, dict]:
+  """tests/multiprocess_pushsum.py in 2 processes of one run (one secret), 150 iterations:
+  process 0's output and the JSON line it ends with; both processes must succeed."""
+  port, script, env = free_port(), ROOT / "tests" / "multiprocess_pushsum.py", environment(2)
+  processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), algorithm,
+                                 "150", *options], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for k in range(2)]
+  try:
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+  finally:
+    for process in processes:
+      process.kill()
+  assert [process.returncode for process in processes] == [0, 0], _tail(outputs[0])
+  return outputs[0], json.loads(
+      [line for line in outputs[0].splitlines() if line.startswith("{")][-1])
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("algorithm", "options"), [
     ("layup", ["compression='none'"]), ("adpsgd", []),
@@ -321,17 +338,7 @@ def test_threaded_gossip_keeps_the_push_sum_average_across_two_processes(algorit
   rerouted to a device of the sender's process, and with the sends between processes
   compressed: the weights exact, the mass the error feedback held back returned at the end
   (the average's drift before it was, reported, is the compression's)."""
-  port, script, env = free_port(), ROOT / "tests" / "multiprocess_pushsum.py", environment(2)
-  processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), algorithm,
-                                 "150", *options], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for k in range(2)]
-  try:
-    outputs = [process.communicate(timeout=300)[0] for process in processes]
-  finally:
-    for process in processes:
-      process.kill()
-  assert [process.returncode for process in processes] == [0, 0], _tail(outputs[0])
-  result = json.loads([line for line in outputs[0].splitlines() if line.startswith("{")][-1])
+  _, result = _pushsum_run(algorithm, options)
   assert result["relative_change"] < 1e-5
   assert result["weight_sums"] == pytest.approx([1.0] * 3, abs=1e-12)
   # Alone the disagreement shrank 2,000x or more (ratio <= 5e-4, 3 runs); once, in a loaded
@@ -364,22 +371,11 @@ def test_a_notice_without_the_run_secret_is_ignored():
   process 0, and `lost/1`: process 0 ignores the notice, naming its key in one line, the run's
   own notice takes the key, and push-sum's weight sums end at 1 within 1e-9 with the average
   kept (tests/multiprocess_pushsum.py, LayUp, 2 x 2 devices, learning rate 0)."""
-  port, script, env = free_port(), ROOT / "tests" / "multiprocess_pushsum.py", environment(2)
-  processes = [subprocess.Popen([sys.executable, str(script), str(port), "2", str(k), "layup",
-                                 "150", "compression='none'", "stranger=True"], cwd=ROOT,
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True) for k in range(2)]
-  try:
-    outputs = [process.communicate(timeout=300)[0] for process in processes]
-  finally:
-    for process in processes:
-      process.kill()
-  assert [process.returncode for process in processes] == [0, 0], _tail(outputs[0])
-  ignored = [line for line in outputs[0].splitlines() if line.startswith("ignored the value")]
+  output, result = _pushsum_run("layup", ["compression='none'", "stranger=True"])
+  ignored = [line for line in output.splitlines() if line.startswith("ignored the value")]
   assert ignored == ["ignored the value at layup_jax/gossip/0/1/0/1: it does not carry this "
                      "run's tag (written from outside the run, or with another "
-                     "LAYUP_JAX_RUN_SECRET)"], _tail(outputs[0])
-  result = json.loads([line for line in outputs[0].splitlines() if line.startswith("{")][-1])
+                     "LAYUP_JAX_RUN_SECRET)"], _tail(output)
   assert result["weight_sums"] == pytest.approx([1.0] * 3, abs=1e-9)
   assert result["relative_change"] < 1e-5 and result["sends_between_processes"] > 600 / 12
 
