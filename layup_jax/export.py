@@ -148,27 +148,27 @@ def save_model(directory: str | pathlib.Path, config_dict: dict, params: list,
 
 @dataclasses.dataclass(frozen=True)
 class ExportedModel:
-  """A model read by `load_model`: `model(inputs)` gives its outputs (logits), evaluation mode."""
+  """A model read by `load_model`: `model(inputs)` gives its outputs (logits), evaluation mode,
+  by one jitted program made once per model (compiled once per input shape)."""
 
   config: Any  # the run's ml_collections.ConfigDict
   model: Any  # the StagedModel
   params: list
   state: list
 
+  def __post_init__(self):
+    import jax
+
+    model = self.model
+
+    def apply(params, state, inputs):
+      outputs, _ = model.apply(params, state, inputs, jax.random.key(0), 0, train=False)
+      return outputs
+
+    object.__setattr__(self, "_apply", jax.jit(apply))
+
   def __call__(self, inputs):
-    return _apply(self.model)(self.params, self.state, inputs)
-
-
-def _apply(model):
-  import functools
-
-  import jax
-
-  @functools.partial(jax.jit)
-  def apply(params, state, inputs):
-    outputs, _ = model.apply(params, state, inputs, jax.random.key(0), 0, train=False)
-    return outputs
-  return apply
+    return self._apply(self.params, self.state, inputs)
 
 
 def load_model(directory: str | pathlib.Path) -> ExportedModel:
