@@ -339,9 +339,9 @@ def nested(values: dict) -> dict:
   return out
 
 
-def load_config_file(path, algorithm: str | None = None) -> ml_collections.ConfigDict:
-  """A config file's `get_config(algorithm)` (its column for `algorithm`, as the command line's
-  `--config FILE:ALGORITHM`); `get_config()` when no algorithm is named."""
+def load_config_module(path):
+  """A config file run as a module (its `get_config`, and its `PAPER` columns where it has
+  them); ConfigError when there is no such file or it defines no `get_config`."""
   import importlib.util
   import pathlib
 
@@ -356,4 +356,11 @@ def load_config_file(path, algorithm: str | None = None) -> ml_collections.Confi
   if not callable(getattr(module, "get_config", None)):
     raise ConfigError(f"the config file {path} has no get_config() (it defines get_config() "
                       "returning an ml_collections.ConfigDict, as configs/digits.py does)")
+  return module
+
+
+def load_config_file(path, algorithm: str | None = None) -> ml_collections.ConfigDict:
+  """A config file's `get_config(algorithm)` (its column for `algorithm`, as the command line's
+  `--config FILE:ALGORITHM`); `get_config()` when no algorithm is named."""
+  module = load_config_module(path)
   return module.get_config(algorithm) if algorithm else module.get_config()

@@ -46,7 +46,6 @@ import argparse
 import ast
 import contextlib
 import datetime
-import importlib.util
 import json
 import os
 import pathlib
@@ -62,7 +61,8 @@ sys.path.insert(0, str(ROOT))
 import jax
 import ml_collections
 
-from layup_jax import algorithms
+from layup_jax import algorithms, defaults
+from layup_jax.errors import ConfigError
 from layup_jax.measure import provenance
 from layup_jax.platform import allocator
 from layup_jax.run import runner
@@ -77,12 +77,10 @@ METHOD_SETTINGS = {
 
 
 def load_config_module(path: str):
-  spec = importlib.util.spec_from_file_location("sweep_config", path)
-  if spec is None or not os.path.exists(path):
-    sys.exit(f"error: no config file {path}")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  try:
+    return defaults.load_config_module(path)
+  except ConfigError as error:
+    sys.exit(f"error: {error}")
 
 
 def algorithm_config(module, algorithm: str) -> ml_collections.ConfigDict:

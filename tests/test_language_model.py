@@ -2,11 +2,11 @@
 the standard library, held out by document, and a few steps of it lower the test loss under
 LayUp and DDP, with the time and tokens to a target loss in the summary."""
 
-import importlib.util
 import pathlib
 
 import pytest
 
+import layup_jax
 from layup_jax.data import text
 from layup_jax.run import runner
 from layup_jax.run.records import read_metrics
@@ -15,10 +15,7 @@ CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "stdlib_gp
 
 
 def benchmark_config(algorithm: str):
-  spec = importlib.util.spec_from_file_location("stdlib_gpt2_mini", CONFIG)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(algorithm)
+  return layup_jax.load_config(CONFIG, algorithm)
 
 
 def test_the_corpus_is_the_standard_librarys_python_files_without_site_packages():
