@@ -240,6 +240,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.distributed.num_processes = 1  # processes in the run (with a coordinator address)
   config.distributed.process_id = -1  # this process's index (with a coordinator address)
   config.distributed.heartbeat_timeout_s = 10  # a silent process is declared dead after this
+  # A process that trains but whose iterations do not move for this long (its heartbeat may
+  # beat on while its training hangs), and a wait on another process (a gather, the sends'
+  # acknowledgements, a transfer) past it, end in a declaration: the process is lost (a gossip
+  # run trains on) or the run stops in one line. Evaluations and checkpoints are waits. 0: off.
+  config.distributed.progress_timeout_s = 300.0
+  # A gossip sender whose sends were dropped as malformed (out of range, non-finite) this many
+  # times is treated as lost (0: never).
+  config.distributed.max_dropped_sends = 10
   # True: the coordination service runs in a process of its own (`python -m layup_jax.launch`
   # starts it; on a cluster `python -m layup_jax.multiprocess.coordinator`), at
   # coordinator_address, so that a gossip run survives the loss of any training process,

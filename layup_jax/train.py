@@ -169,7 +169,9 @@ def main(argv: list[str]) -> None:
     elastic = algorithms.get(config.algorithm).gossip if config.algorithm in algorithms.names() \
         else False
     if setup.initialize(config.distributed, recoverable=elastic):  # before any backend use
-      watchdog = Watchdog(config.distributed.heartbeat_timeout_s, elastic=elastic)
+      watchdog = Watchdog(config.distributed.heartbeat_timeout_s, elastic=elastic,
+                          progress_timeout_s=config.distributed.progress_timeout_s,
+                          max_dropped_sends=config.distributed.max_dropped_sends)
       if membership.members.rejoining and not algorithms.get(config.algorithm).rejoins:
         raise RejoinError(f"{config.algorithm} has no rejoin: only push-sum gossip (layup, "
                           f"gosgd) gives a process a replica and a weight share; the others "

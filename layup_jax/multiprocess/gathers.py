@@ -24,21 +24,30 @@ _data_keys: list[str] = []  # this process's keys of its recent `all_gather_data
 def await_value(client, key: str, writer: int) -> bytes:
   """The store's value of `key`, which process `writer` writes, waiting as long as the writer
   may still write it: while a watchdog guards the run (`membership.members.watched`), until the writer says
-  it is done (it ended, or failed on its own, without writing it) or is declared lost; without
-  one, at most `GATHER_TIMEOUT_S`."""
-  deadline = None if membership.members.watched else time.monotonic() + GATHER_TIMEOUT_S
-  while True:
-    try:
-      return client.blocking_key_value_get_bytes(key, _GATHER_POLL_MS)
-    except Exception as error:  # DEADLINE_EXCEEDED: not yet written
-      if "DEADLINE_EXCEEDED" not in str(error):
-        raise
-    if membership.members.is_lost(writer):
-      raise ProcessLostError(writer)
-    if try_get(client, f"layup_jax/done/{writer}") is not None:
-      raise RuntimeError(f"process {writer} ended without writing {key} (see its own output)")
-    if deadline is not None and time.monotonic() > deadline:
-      raise TimeoutError(f"process {writer} did not write {key} within {GATHER_TIMEOUT_S:g} s")
+  it is done (it ended, or failed on its own, without writing it) or is declared lost, and a
+  writer seen training accused once the progress timeout has passed (`Membership.accuse`);
+  without one, at most `GATHER_TIMEOUT_S`."""
+  members = membership.members
+  deadline = None if members.watched else time.monotonic() + GATHER_TIMEOUT_S
+  accuse_at = members.deadline()
+  with members.waiting():
+    while True:
+      try:
+        return client.blocking_key_value_get_bytes(key, _GATHER_POLL_MS)
+      except Exception as error:  # DEADLINE_EXCEEDED: not yet written
+        if "DEADLINE_EXCEEDED" not in str(error):
+          raise
+      if members.is_lost(writer):
+        raise ProcessLostError(writer)
+      if try_get(client, f"layup_jax/done/{writer}") is not None:
+        raise RuntimeError(f"process {writer} ended without writing {key} (see its own output)")
+      if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError(f"process {writer} did not write {key} within {GATHER_TIMEOUT_S:g} s")
+      if (accuse_at is not None and time.monotonic() > accuse_at and writer in members.trained
+          and members.watched):
+        members.accuse(client, writer, f"process {writer} did not write {key} within "
+                                       f"{members.progress_timeout_s:g} s")
+        accuse_at = None
 
 
 def _read_gather(client, prefix: str, mine: bytes) -> list[tuple[int, bytes]]:

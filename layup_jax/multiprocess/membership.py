@@ -2,10 +2,13 @@
 state every process keeps about the others, read from the coordination service's key-value
 store (an elastic gossip run, docs/guide/elastic.md)."""
 
+import contextlib
 import json
+import os
 import sys
 import threading
 import time
+from typing import Callable
 
 import jax
 
@@ -90,6 +93,63 @@ class Membership:
     self.leader = 0  # the process that writes the records and decides for the run
     # The coordination service runs in a process of its own: process 0 may be lost too.
     self.external_coordinator = False
+    # Liveness by progress (`distributed.progress_timeout_s`; 0: heartbeats only): a process
+    # that trains but whose iterations do not move for this long is declared lost, and a wait
+    # on another process past it accuses that process (`accuse`).
+    self.progress_timeout_s = 0.0
+    self.max_dropped_sends = 0  # a sender past this many malformed sends is accused (0: never)
+    self.own_iterations: Callable[[], int] = lambda: 0  # this process's progress (the runtime's)
+    self.training = False  # between consistent points (`Session`); else it waits on the others
+    self._waits = 0  # this process's threads waiting on another process now (`waiting`)
+    self.trained: set[int] = set()  # processes seen making progress (the watchdog's)
+
+  @contextlib.contextmanager
+  def waiting(self):
+    """A thread of this process waits on another process: meanwhile this process is not judged
+    by its progress (the wait's own deadline judges the other)."""
+    with self._lock:
+      self._waits += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._waits -= 1
+
+  def idle(self) -> bool:
+    """Whether this process waits on the others (outside training, or a thread in a wait)."""
+    with self._lock:
+      return not self.training or self._waits > 0
+
+  def deadline(self) -> float | None:
+    """When a wait on another process that starts now ends in an accusation (None: never)."""
+    return time.monotonic() + self.progress_timeout_s if self.progress_timeout_s else None
+
+  def accuse(self, client, process: int, why: str) -> None:
+    """This process found `process` failing it (a wait past its deadline, sends past the bound
+    of malformed ones): in an elastic run the leader declares it lost (the watchdog reads the
+    accusations); in any other run nothing can go on without it, and this process stops in one
+    line (the others then find it silent)."""
+    me = jax.process_index()
+    if not self.elastic:
+      print(f"error: {why}; process {me} stops. Rerun the same command on every process to "
+            f"resume from the last checkpoint", file=sys.stderr, flush=True)
+      os._exit(4)
+    key = f"layup_jax/accused/{process}/{me}"
+    if try_get(client, key) is None:
+      print(f"process {me}: {why}; it asks the run to declare process {process} lost",
+            file=sys.stderr, flush=True)
+      client.key_value_set(key, why[:300], allow_overwrite=True)
+
+  def accusations(self, client) -> list[tuple[int, int, str]]:
+    """(accused, accuser, why) of every accusation in the store, accused not yet lost."""
+    found = []
+    for key, why in client.key_value_dir_get("layup_jax/accused/"):
+      parts = key.split("/")
+      if len(parts) == 4 and parts[2].isdigit() and parts[3].isdigit():
+        accused, accuser = int(parts[2]), int(parts[3])
+        if accused < jax.process_count() and not self.is_lost(accused):
+          found.append((accused, accuser, why))
+    return sorted(found)
 
   def next_leader(self) -> int | None:
     """The process that leads should the leader be lost: the lowest other live process."""
@@ -158,10 +218,13 @@ class Membership:
 
   @staticmethod
   def clear(process: int) -> None:
-    """The leader, before telling the others: `process` is no longer declared lost."""
+    """The leader, before telling the others: `process` is no longer declared lost (nor
+    accused: its earlier run's accusations go with it)."""
     client = signed.client()
     for kind in ("lost", "join", "joining"):
       client.key_value_delete(f"layup_jax/{kind}/{process}")
+    for key, _ in client.key_value_dir_get(f"layup_jax/accused/{process}/"):
+      client.key_value_delete(key)
 
   def admit(self, process: int, step: int) -> None:
     """The leader, right after the gather that told every live process: `process` joins at

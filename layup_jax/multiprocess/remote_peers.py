@@ -279,11 +279,21 @@ class RemotePeers:
       return self._acked[process]
 
   def quiesce(self, stopped: Callable[[], bool]) -> None:
-    """Waits until every notice sent so far is acknowledged (at a consistent point)."""
-    for process in self.other_processes():
-      while (self.acknowledged(process) < self._sent[process] and not stopped()
-             and process not in self.lost):
-        time.sleep(_ACK_POLL_S)
+    """Waits until every notice sent so far is acknowledged (at a consistent point). A process
+    whose acknowledgements do not move for the progress timeout is accused (it hangs, or the
+    link to it is cut while the store still answers) and waited for until it is declared."""
+    members = membership.members
+    with members.waiting():
+      for process in self.other_processes():
+        acked, deadline = self.acknowledged(process), members.deadline()
+        while (acked < self._sent[process] and not stopped() and process not in self.lost):
+          time.sleep(_ACK_POLL_S)
+          if (now := self.acknowledged(process)) != acked:
+            acked, deadline = now, members.deadline()
+          elif deadline is not None and time.monotonic() > deadline:
+            members.accuse(self._client, process, f"sends to process {process} were not "
+                           f"acknowledged for {members.progress_timeout_s:g} s")
+            deadline = None
 
   # --- receiving ------------------------------------------------------------------------------
 
@@ -385,10 +395,14 @@ class RemotePeers:
 
   def _drop(self, source: int, problem: str) -> None:
     """A bad send from `source` is dropped and counted; its sender is named once."""
-    self.dropped[source] = self.dropped.get(source, 0) + 1
-    if self.dropped[source] == 1:
+    self.dropped[source] = count = self.dropped.get(source, 0) + 1
+    if count == 1:
       print(f"process {self._me}: dropped a send from process {source}: {problem} (sends "
             f"dropped are counted, this line is not repeated)", file=sys.stderr, flush=True)
+    bound = membership.members.max_dropped_sends
+    if bound and count == bound:  # past it the sender is treated as lost
+      membership.members.accuse(self._client, source,
+                                f"{count} malformed sends ({problem})")
 
   # --- pairwise averages (AD-PSGD) ------------------------------------------------------------
 
@@ -404,15 +418,22 @@ class RemotePeers:
     notice = self._next_notice(process)
     uuid = self._offer_and_announce(process, notice, peer, s, mine, 0.0, average=True)
     reply = f"layup_jax/gossip-reply/{self._me}/{uuid}"
-    while True:
-      try:
-        theirs_uuid = int(self._client.blocking_key_value_get(reply, _NOTICE_WAIT_MS))
-        break
-      except Exception as error:  # DEADLINE_EXCEEDED: not answered yet
-        if process in self.lost:  # no answer will come: this side stays as it was
-          return
-        if "DEADLINE_EXCEEDED" not in str(error) or stopped():
-          raise
+    members = membership.members
+    deadline = members.deadline()
+    with members.waiting():
+      while True:
+        try:
+          theirs_uuid = int(self._client.blocking_key_value_get(reply, _NOTICE_WAIT_MS))
+          break
+        except Exception as error:  # DEADLINE_EXCEEDED: not answered yet
+          if process in self.lost:  # no answer will come: this side stays as it was
+            return
+          if "DEADLINE_EXCEEDED" not in str(error) or stopped():
+            raise
+        if deadline is not None and time.monotonic() > deadline:
+          members.accuse(self._client, process, f"a pairwise average with process {process} "
+                         f"was not answered for {members.progress_timeout_s:g} s")
+          deadline = None
     self._client.key_value_delete(reply)
     try:  # in an elastic run, waited for here, where a dead peer's failure can be caught
       theirs = self._arrived(process, self._pull(process, theirs_uuid, i, s))

@@ -16,6 +16,48 @@ _FAREWELL_S = 120.0  # how long process 0 of an elastic run waits for the others
 _FAREWELL_GRACE_S = 1.0  # and then, for their last word to the service
 
 
+class ProgressClock:
+  """When each process last made progress, from what its heartbeats carry: its iterations so
+  far and whether it waits on the others (outside training, or in a wait with a deadline of its
+  own). A process is stalled when it trains, has been seen making progress, and its iterations
+  have not moved for `timeout_s` (0: never): its heartbeat may beat on while its training
+  hangs. One not yet seen moving may still be compiling; its heartbeat judges it."""
+
+  def __init__(self, timeout_s: float):
+    self.timeout_s = timeout_s
+    self._last: dict[int, tuple[int, float, bool]] = {}  # iterations, since when, ever moved
+
+  def observe(self, k: int, iterations: int, idle: bool, now: float) -> bool:
+    """Takes process k's state read at `now`; returns whether k is stalled."""
+    last = self._last.get(k)
+    if last is None or iterations != last[0] or idle:
+      moved = last is not None and (last[2] or iterations != last[0])
+      self._last[k] = (iterations, now, moved)
+      return False
+    return last[2] and self.timeout_s > 0 and now - last[1] > self.timeout_s
+
+  def has_trained(self, k: int) -> bool:
+    """Whether k was seen making progress (then a wait on it has a deadline)."""
+    return k in self._last and self._last[k][2]
+
+  def forget(self, k: int) -> None:
+    """k was lost or rejoins: judged afresh."""
+    self._last.pop(k, None)
+
+
+def beat_value(beat: int, iterations: int, idle: bool) -> str:
+  """What a heartbeat carries: its counter, the process's iterations, whether it waits."""
+  return f"{beat} {iterations} {int(idle)}"
+
+
+def read_beat(value: str | None) -> tuple[str, int, bool] | None:
+  """A heartbeat's (counter, iterations, waits), or None where it is not one."""
+  parts = (value or "").split()
+  if len(parts) != 3 or not all(p.isdigit() for p in parts) or parts[2] not in ("0", "1"):
+    return None
+  return parts[0], int(parts[1]), parts[2] == "1"
+
+
 class Watchdog:
   """Ends this process with one line when another process of the run stops answering, or, in
   an elastic run (gossip), has process 0 declare it lost and trains on without it.
@@ -37,11 +79,15 @@ class Watchdog:
 
   EXIT_STATUS = 4
 
-  def __init__(self, timeout_s: float, period_s: float = 1.0, elastic: bool = False):
+  def __init__(self, timeout_s: float, period_s: float = 1.0, elastic: bool = False,
+               progress_timeout_s: float = 0.0, max_dropped_sends: int = 0):
     self._client = signed.client()
     self._me, self._count = jax.process_index(), jax.process_count()
     self._timeout_s, self._period_s = timeout_s, period_s
     self._elastic = membership.members.elastic = elastic
+    membership.members.progress_timeout_s = progress_timeout_s
+    membership.members.max_dropped_sends = max_dropped_sends
+    self._progress = ProgressClock(progress_timeout_s)
     membership.members.watched = True
     self._external = membership.members.external_coordinator
     if elastic:  # a never-seen process is given 3x the timeout, then the leader declares it
@@ -89,33 +135,44 @@ class Watchdog:
   def _watch(self) -> None:
     beat = 0
     seen = {k: (None, time.monotonic()) for k in range(self._count)}  # counter, when it moved
+    members = membership.members
     while not self._stop.wait(self._period_s):
       now = time.monotonic()
       try:
         beat += 1
-        self._client.key_value_set(self._key("alive", self._me), str(beat), allow_overwrite=True)
+        iterations, idle = members.own_iterations(), members.idle()
+        self._client.key_value_set(self._key("alive", self._me),
+                                   beat_value(beat, iterations, idle), allow_overwrite=True)
+        self_stalled = self._progress.observe(self._me, iterations, idle, now)
         if self._elastic:
-          members = membership.members
           members.refresh(self._client)
           if members.rejoining and run_finished():
             self._leave_unadmitted()
-          if members.is_lost(self._me) and not members.rejoining:  # silent too long: fenced off
+          if members.is_lost(self._me) and not members.rejoining:  # fenced off
             self._die(f"the run declared this process lost at step {members.lost[self._me]} "
-                      f"(silent for more than {self._timeout_s:g} s)",
-                      "The others train on without it")
+                      f"({self._why_lost()})", "The others train on without it")
+          self._judge_accusations()
+        stalled = []
         for k in range(self._count):
-          if membership.members.is_lost(k):  # and if it rejoins, its heartbeat is timed afresh
+          if members.is_lost(k):  # and if it rejoins, its heartbeat is timed afresh
             seen[k] = (None, now)
+            self._progress.forget(k)
             continue
           if k == self._me or self._exists(self._key("done", k)):
             continue
           value = self._value(self._key("alive", k))
           if value is not None and value != seen[k][0]:
             seen[k] = (value, now)
+          state = read_beat(value)
+          if state is not None and self._progress.observe(k, state[1], state[2], now):
+            stalled.append(k)
+          if self._progress.has_trained(k):
+            members.trained.add(k)
           # A process not seen yet may still be starting (a loaded host): 3x the time.
           limit = self._timeout_s * (1 if seen[k][0] is not None else 3)
           if now - seen[k][1] > limit:
             self._silent(k)
+        self._stalled(stalled, self_stalled or idle)
       except Exception as error:  # noqa: BLE001 - the coordination service itself is gone
         if self._stop.is_set():
           return
@@ -124,21 +181,62 @@ class Watchdog:
                   f"{(str(error).splitlines() or [''])[0][:160]}); no checkpoint can be written "
                   f"without it (the processes' saves meet at its barriers)")
 
+  def _stalled(self, stalled: list[int], held: bool) -> None:
+    """Processes whose training made no progress for the progress timeout. In an elastic run
+    each is declared lost (by the leader). In any other the rest cannot go on without them:
+    once this process is held too (it waits, or made no progress either), it stops in one
+    line naming the first (the others then find it silent)."""
+    timeout = self._progress.timeout_s
+    if self._elastic:
+      for k in stalled:
+        self._declare(k, f"its training made no progress for {timeout:g} s")
+    elif stalled and held:
+      self._die(f"process {stalled[0]} of the run made no progress for {timeout:g} s (its "
+                f"training hangs, or waits on a link that does not answer)")
+
+  def _judge_accusations(self) -> None:
+    """The deciding process declares lost each process that another live one accused (a wait on
+    it past its deadline, its malformed sends past the bound). Where two accuse each other (the
+    link between them failed) one is declared: the first in order, or, if one leads, the other
+    (the leader's word stands), and the other's accusation then comes from a lost process."""
+    members = membership.members
+    accusations = members.accusations(self._client)
+    pairs = {(k, accuser) for k, accuser, _ in accusations}
+    for k, accuser, why in accusations:
+      if members.is_lost(k) or members.is_lost(accuser):
+        continue
+      if k == members.leader and (accuser, k) in pairs:
+        continue
+      self._declare(k, f"process {accuser}: {why}")
+
+  def _why_lost(self) -> str:
+    """What the run said when it declared this process lost."""
+    said = [f"process {key.rsplit('/', 1)[1]}: {why}" for key, why in
+            self._client.key_value_dir_get(f"layup_jax/accused/{self._me}/")]
+    return said[0] if said else f"silent for more than {self._timeout_s:g} s"
+
   def _silent(self, k: int) -> None:
     """Process k has not answered for `timeout_s`."""
     if not self._elastic or (k == 0 and not self._external):
       self._die(f"process {k} of the run stopped answering for {self._timeout_s:g} s "
                 f"(it died, or lost the coordinator)")
+    self._declare(k, f"silent for {self._timeout_s:g} s")
+
+  def _declare(self, k: int, why: str) -> None:
+    """Process k is lost, in an elastic run: the leader declares it (the process next in line,
+    when k leads), and says why. Process 0 cannot be lost where it hosts the service."""
+    if k == 0 and not self._external:
+      self._die(f"process 0, which hosts the run's coordination service, failed ({why})")
     members = membership.members
     decides = members.next_leader() if k == members.leader else members.leader
-    if self._me != decides:
+    if self._me != decides or members.is_lost(k):
       return  # the leader decides (and says so); the leader, the process next in line
     step = members.step
-    membership.members.declare(self._client, k, step)
-    live = set(membership.members.live())
+    members.declare(self._client, k, step)
+    live = set(members.live())
     devices = sum(1 for d in jax.devices() if d.process_index in live)
-    print(f"process {k} lost at step {step}; {devices} devices train on", file=sys.stderr,
-          flush=True)
+    print(f"process {k} lost at step {step}; {devices} devices train on ({why})",
+          file=sys.stderr, flush=True)
 
   def _leave_unadmitted(self) -> None:
     """A process that was rejoining finds the run ended: it says so and lets the others go."""

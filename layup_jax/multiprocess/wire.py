@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from layup_jax.errors import ConfigError
-from layup_jax.multiprocess import membership
+from layup_jax.multiprocess import membership, signed
 from layup_jax.platform import compat
 
 PyTree = Any
@@ -84,11 +84,19 @@ def await_transfer(pulled: PyTree, source: int, is_lost: Callable[[int], bool],
   merge; and one whose host vanished without closing its connections (power, a cable, a link
   down) leaves it waiting while TCP retransmits for minutes: the wait ends when `is_lost(source)`
   (the watchdog declared it lost; `ProcessLostError`, its amount lost with it), so that nothing
-  computed on this device ever waits for it and the receiver thread ends."""
+  computed on this device ever waits for it and the receiver thread ends. One still not
+  arrived after the progress timeout (a link cut while the store still answers) accuses the
+  sender, so that the wait ends in a declaration."""
   if not membership.members.elastic:
     return pulled
   leaves = jax.tree.leaves(pulled)
+  members = membership.members
+  deadline = members.deadline()
   while not all(leaf.is_ready() for leaf in leaves):
+    if deadline is not None and time.monotonic() > deadline:  # a cut link: no end otherwise
+      members.accuse(signed.client(), source, f"a transfer from process {source} did not "
+                     f"arrive within {members.progress_timeout_s:g} s")
+      deadline = None
     if is_lost(source):
       print(f"process {me}: a transfer from process {source} was in flight when it was "
             f"declared lost; dropped, its push-sum amount lost with it", file=sys.stderr,

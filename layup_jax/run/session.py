@@ -75,6 +75,17 @@ class _Progress:
       self.log.write(self.own_iterations(), step)
 
 
+@contextlib.contextmanager
+def _training():
+  """This process trains (between consistent points): the watchdogs judge it by its progress
+  meanwhile (`distributed.progress_timeout_s`); outside, it waits on the others."""
+  membership.members.training = True
+  try:
+    yield
+  finally:
+    membership.members.training = False
+
+
 def _stop_checks(should_stop: Callable[[], bool]) -> tuple[Callable[[], bool], Callable[[], bool]]:
   """(checked between targets, checked within one by the runtime). Across processes they stop
   together, at the next evaluation or checkpoint: one that stopped alone would leave the others
@@ -200,12 +211,14 @@ class Session:
     every_s = self.config.metrics.get("progress_every_s", 0.0)
     log = ProgressLog(self.workdir, every_s) if every_s else None
     progress = _Progress(self._bar, self.per_step, self.runtime.own_iterations, log)
+    membership.members.own_iterations = self.runtime.own_iterations  # its heartbeat carries it
     with self._bar, contextlib.closing(log) if log else contextlib.nullcontext():
       for target in sorted(s for s in due if s > self.start_step):
         if stop_now():
           break
         started = time.perf_counter()
-        self.runtime.run_until(target * self.per_step, progress, stop_within)
+        with _training():
+          self.runtime.run_until(target * self.per_step, progress, stop_within)
         self.train_time += time.perf_counter() - started
         step = self.runtime.iterations_done() // self.per_step
         if step < target:

@@ -133,7 +133,8 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("metrics.target_perplexity", 0), ("metrics.target_loss", 0), ("metrics.latency_every", 0),
       ("metrics.progress_every_s", 0),
       ("tuning.max_sends_in_flight", 0), ("model.stages_per_group", 1),
-      ("distributed.max_remote_backlog", 0),
+      ("distributed.max_remote_backlog", 0), ("distributed.progress_timeout_s", 0),
+      ("distributed.max_dropped_sends", 0),
   ]
   for key, bound in checks:
     _at_least(config, key, bound)
