@@ -380,6 +380,106 @@ def test_a_notice_without_the_run_secret_is_ignored():
   assert result["relative_change"] < 1e-5 and result["sends_between_processes"] > 600 / 12
 
 
+def _start_3x2(work, settings: dict, logs: list[pathlib.Path],
+               replace: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
+  """3 processes x 2 devices of LayUp on the digits, each started as the launcher would start it
+  (its output to `logs[k]`); `replace[k]`: a command run in process k's place, before its train
+  arguments."""
+  every = commands(3, free_port(), _train_args_3x2(work, settings))
+  env, processes = environment(2), []  # one environment: one run secret
+  for k, command in enumerate(every):
+    if k in (replace or {}):
+      command = [sys.executable, *replace[k], *command[3:]]  # past `python -m layup_jax.train`
+    with logs[k].open("w") as out:
+      processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=out,
+                                        stderr=subprocess.STDOUT))
+  return processes
+
+
+def _assert_survivors_finished(work, steps: int, statuses: list[int], log: str) -> None:
+  """Processes 0 and 1 ended with status 0, the push-sum average of their replicas finite and
+  >= 0.95 on the digits, its weights summing to 1 within 1e-9."""
+  assert statuses[:2] == [0, 0], _tail(log)
+  summary = json.loads((work / "summary.json").read_text())
+  assert summary["final_eval_accuracy"] >= 0.95
+  assert summary["final_eval_loss"] < 1.0  # finite: NaN compares false
+  assert summary["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
+  assert summary["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
+  tests = [r for r in read_metrics(work) if r["split"] == "test"]
+  assert tests[-1]["step"] == steps and all(r["loss"] < 10 for r in tests)
+
+
+@pytest.mark.multiprocess
+def test_a_peer_sending_nan_is_dropped_and_named(tmp_path):
+  """3 processes x 2 devices, LayUp on the digits; process 2 offers every stage it sends to
+  another process as NaN (tests/faulty_process.py) while training as usual. Each receiver drops
+  those sends before a merge, names process 2 in one line, and at the bound
+  (`distributed.max_dropped_sends`, 5 here) asks the run to declare it lost; the leader does, once;
+  process 2 stops itself in one line; processes 0 and 1 finish >= 0.95 with every evaluation of
+  their average finite and the weights summing to 1 within 1e-9."""
+  settings = {"algorithm": "layup", "num_steps": 150, "eval_every": 30, "progress_bar": False,
+              "model.granularity": "per_block",  # 5 stage programs, not 8: CI's time
+              "distributed.heartbeat_timeout_s": 5, "distributed.max_dropped_sends": 5}
+  work = tmp_path / "nan"
+  logs = [tmp_path / f"process_{k}.log" for k in range(3)]
+  processes = _start_3x2(work, settings, logs, {2: ["tests/faulty_process.py", "nan"]})
+  try:
+    statuses = [p.wait(timeout=600) for p in processes]
+  finally:
+    for p in processes:
+      p.kill()
+  first, faulty = logs[0].read_text(), logs[2].read_text()
+  both = first + logs[1].read_text()
+  _assert_survivors_finished(work, 150, statuses, both + faulty)
+  named = re.findall(r"process [01]: dropped a send from process 2: stage \d+ for device \d+ "
+                     r"holds non-finite values", both)
+  assert 1 <= len(named) <= 2, _tail(both)  # once per receiving process at most
+  assert "dropped a send from process 0" not in both + faulty
+  assert "dropped a send from process 1" not in both + faulty
+  assert re.search(r"process [01]: 5 malformed sends \(stage \d+ for device \d+ holds "
+                   r"non-finite values\); it asks the run to declare process 2 lost", both)
+  assert first.count("process 2 lost at step") == 1, _tail(first)
+  assert statuses[2] == 4 and "the run declared this process lost" in faulty, _tail(faulty)
+
+
+@pytest.mark.multiprocess
+def test_a_stopped_process_is_declared_lost(tmp_path):
+  """3 processes x 2 devices, LayUp on the digits: process 2 is stopped (SIGSTOP) at ~30 % of
+  the run, as a hung host or a paused container would be. It is declared lost within the
+  heartbeat timeout plus the progress timeout (5 s + 10 s here); processes 0 and 1 train on
+  and finish >= 0.95 with the weights summing to 1 within 1e-9. Continued (SIGCONT) 12 s after
+  the stop (before JAX's own service would give up on it), process 2 finds itself declared
+  lost and stops in one line."""
+  settings = {"algorithm": "layup", "num_steps": 300, "eval_every": 30, "progress_bar": False,
+              "model.granularity": "per_block",  # 5 stage programs, not 8: CI's time
+              "distributed.heartbeat_timeout_s": 5, "distributed.progress_timeout_s": 10}
+  work = tmp_path / "stopped"
+  logs = [tmp_path / f"process_{k}.log" for k in range(3)]
+  processes = _start_3x2(work, settings, logs)
+  try:
+    _wait_for_test_record(work, 90, processes[0])
+    processes[2].send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    declared_after = None
+    while time.monotonic() - stopped_at < 12:
+      if declared_after is None and "process 2 lost at step" in logs[0].read_text():
+        declared_after = time.monotonic() - stopped_at
+      time.sleep(0.2)
+    processes[2].send_signal(signal.SIGCONT)
+    statuses = [p.wait(timeout=600) for p in processes]
+  finally:
+    for p in processes:
+      p.send_signal(signal.SIGCONT)
+      p.kill()
+  first, stopped = logs[0].read_text(), logs[2].read_text()
+  assert declared_after is not None and declared_after <= 5 + 10, _tail(first)
+  _assert_survivors_finished(work, 300, statuses, first + logs[1].read_text())
+  assert first.count("process 2 lost at step") == 1, _tail(first)
+  lines = [line for line in stopped.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and "the run declared this process lost" in lines[0], _tail(stopped)
+  assert statuses[2] == 4
+
+
 def test_the_launcher_gives_each_process_its_place_and_its_devices():
   first, second = commands(2, 12355, ["--config", "configs/digits.py"])
   assert first[-3:] == ["--config.distributed.coordinator_address=127.0.0.1:12355",

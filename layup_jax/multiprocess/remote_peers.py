@@ -150,6 +150,8 @@ class RemotePeers:
     self.lost = self.lost | {process}
     with self._lock:
       self._outgoing[process].clear()
+    if process not in self._addresses:  # lost before the addresses were gathered
+      return
     host = _host_of(self._addresses[process])
     live = {_host_of(self._server.address())} | {
         _host_of(a) for k, a in self._addresses.items() if k not in self.lost}

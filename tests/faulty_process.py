@@ -1,0 +1,44 @@
+"""One process of a run that misbehaves on purpose (tests/test_multiprocess.py starts it in place
+of `python -m layup_jax.train` for one process of three):
+
+    python tests/faulty_process.py nan TRAIN_ARGS...
+
+`nan`: every stage this process offers to another process is NaN (its floating leaves; an int8
+send's scales), as a faulty device or a hostile peer would send. The process itself trains as
+usual; the receivers must drop what it sends, name it, and past the bound treat it as lost.
+"""
+
+import importlib
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+from absl import app
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from layup_jax.multiprocess import remote_peers  # noqa: E402
+
+
+def _poison(leaf: jax.Array) -> jax.Array:
+  """NaN in place of a floating leaf's values, on its own device; other leaves kept."""
+  return leaf * jnp.nan if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
+
+
+def send_nan() -> None:
+  """Every offer this process makes carries NaN."""
+  offer = remote_peers.RemotePeers._offer
+
+  def poisoned(self, part):
+    return offer(self, jax.tree.map(_poison, part))
+
+  remote_peers.RemotePeers._offer = poisoned
+
+
+if __name__ == "__main__":
+  mode, args = sys.argv[1], sys.argv[2:]
+  {"nan": send_nan}[mode]()
+  sys.argv = [sys.argv[0], *args]
+  train = importlib.import_module("layup_jax.train")  # the module (the package's `train` is the API)
+  app.run(train.main, flags_parser=train._parse_flags)
