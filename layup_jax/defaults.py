@@ -260,6 +260,13 @@ def get_config() -> ml_collections.ConfigDict:
   # The address other processes pull gossip sends from ("" = this host's address toward the
   # coordinator).
   config.distributed.transfer_host = ""
+  # Mutual TLS for jax's coordination service, where the installed jax offers it (jax >= 0.12,
+  # Python >= 3.12): PEM files of this process's certificate chain, its private key, and the
+  # authority that signed every process's (all three, or none: plain gRPC). The service then
+  # admits only holders of a certificate that authority signed (docs/guide/several_hosts.md).
+  config.distributed.tls_cert_file = ""
+  config.distributed.tls_key_file = ""
+  config.distributed.tls_ca_file = ""
   # Gossip across processes: the chance that a device's peer is on another process (-1: uniform
   # over the run's other devices).
   config.distributed.remote_peer_probability = 0.2

@@ -3,9 +3,13 @@ of `python -m layup_jax.train` for one process of three):
 
     python tests/faulty_process.py nan TRAIN_ARGS...
 
+    python tests/faulty_process.py hide_newest TRAIN_ARGS...
+
 `nan`: every stage this process offers to another process is NaN (its floating leaves; an int8
 send's scales), as a faulty device or a hostile peer would send. The process itself trains as
 usual; the receivers must drop what it sends, name it, and past the bound treat it as lost.
+`hide_newest`: when the run lists its checkpoints to resume, this process does not see the
+newest (as a lagging view of shared storage would not); the processes must agree on one step.
 """
 
 import importlib
@@ -18,6 +22,7 @@ from absl import app
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from layup_jax.checkpoint.manager import Checkpoints  # noqa: E402
 from layup_jax.multiprocess import remote_peers  # noqa: E402
 
 
@@ -36,9 +41,21 @@ def send_nan() -> None:
   remote_peers.RemotePeers._offer = poisoned
 
 
+def hide_newest() -> None:
+  """The first listing of the checkpoints (the restore's) leaves out the newest step."""
+  steps, listings = Checkpoints.steps, []
+
+  def seen(self):
+    every = steps(self)
+    listings.append(every)
+    return every[:-1] if len(listings) == 1 else every
+
+  Checkpoints.steps = seen
+
+
 if __name__ == "__main__":
   mode, args = sys.argv[1], sys.argv[2:]
-  {"nan": send_nan}[mode]()
+  {"nan": send_nan, "hide_newest": hide_newest}[mode]()
   sys.argv = [sys.argv[0], *args]
   train = importlib.import_module("layup_jax.train")  # the module (the package's `train` is the API)
   app.run(train.main, flags_parser=train._parse_flags)

@@ -286,11 +286,83 @@ def test_partial_and_truncated_checkpoints_fall_back_to_the_previous_one(tmp_pat
   checkpoints = Checkpoints(directory, keep=3)  # as the next run opens them
   with caplog.at_level("WARNING"):
     step, arrays, _ = checkpoints.restore(lambda m: runtime.checkpoint.restore_template(m["runtime"]))
-  assert step == 1 and "checkpoints/2 is unreadable" in caplog.text
+  assert step == 1 and "checkpoints/2 is damaged" in caplog.text
   _assert_trees_equal(_host(arrays), step_1)
   assert checkpoints.steps() == [1]  # step 2 moved aside, so it can be saved again
   assert any((tmp_path / "checkpoints_unreadable").iterdir())
   checkpoints.close()
+
+
+def test_a_transient_read_error_on_restore_does_not_start_the_run_again_from_step_0(
+    tiny_config, tmp_path, monkeypatch, caplog):
+  """A run with checkpoints 10 and 20, rerun while its storage fails every read (an I/O error):
+  the read is tried again, then the run stops in one line naming the error; nothing is moved
+  aside and nothing recorded (no start from step 0). Rerun while the storage fails twice: the
+  third try reads checkpoint 20 and the run resumes from it."""
+  import errno
+
+  import orbax.checkpoint as ocp
+
+  from layup_jax.checkpoint import manager
+
+  tiny_config.algorithm, tiny_config.num_devices, tiny_config.checkpoint.every = "ddp", 2, 10
+  runner.run(tiny_config, tmp_path)
+  records = (tmp_path / "metrics.jsonl").read_bytes()
+  monkeypatch.setattr(manager, "_RETRY_WAITS_S", (0.0, 0.0))
+  restore, failures = ocp.CheckpointManager.restore, []
+
+  def failing(self, step, *args, **kwargs):
+    if len(failures) < failing.times:
+      failures.append(step)
+      raise OSError(errno.EIO, "Input/output error")
+    return restore(self, step, *args, **kwargs)
+
+  failing.times = 100
+  monkeypatch.setattr(ocp.CheckpointManager, "restore", failing)
+  with pytest.raises(StorageError, match=r"^checkpoint .*/checkpoints/20 could not be read "
+                     r"\(process 0: OSError: \[Errno 5\] Input/output error\) after 3 tries; "
+                     r"nothing was moved or restarted"):
+    runner.run(tiny_config, tmp_path)
+  assert failures == [20, 20, 20]  # tried 3 times; never step 10, never step 0
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10", "20"]
+  assert not (tmp_path / "checkpoints_unreadable").exists()
+  assert (tmp_path / "metrics.jsonl").read_bytes() == records
+
+  failures.clear()
+  caplog.clear()
+  failing.times = 2
+  with caplog.at_level("WARNING"):
+    summary = runner.run(tiny_config, tmp_path)
+  assert failures == [20, 20] and summary["resumed_from_step"] == 20
+  assert caplog.text.count("trying again in 0 s") == 2
+
+
+@pytest.mark.parametrize(("error", "damage"), [
+    (ValueError("DATA_LOSS: Error reading local file: Unexpected end of data"), True),
+    (KeyError('Item "arrays" was not found in the checkpoint'), True),
+    (json.JSONDecodeError("Expecting value", "{", 1), True),
+    (FileNotFoundError(2, "No such file or directory"), True),
+    (OSError(5, "Input/output error"), False),
+    (MemoryError(), False),
+    (ValueError("UNAVAILABLE: the storage did not answer"), False),
+    (RuntimeError("something unknown"), False),
+])
+def test_only_damage_to_the_data_counts_as_a_damaged_checkpoint(error, damage):
+  from layup_jax.checkpoint.manager import is_damage
+
+  assert is_damage(error) is damage
+
+
+def test_a_damage_error_raised_while_handling_an_io_error_is_not_damage():
+  from layup_jax.checkpoint.manager import is_damage
+
+  try:
+    try:
+      raise OSError(5, "Input/output error")
+    except OSError as io:
+      raise ValueError("could not parse what was read") from io
+  except ValueError as error:
+    assert not is_damage(error)
 
 
 def test_a_save_waiting_for_a_lost_process_is_given_up_and_the_live_processes_save_on(

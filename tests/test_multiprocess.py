@@ -380,13 +380,13 @@ def test_a_notice_without_the_run_secret_is_ignored():
   assert result["relative_change"] < 1e-5 and result["sends_between_processes"] > 600 / 12
 
 
-def _start_3x2(work, settings: dict, logs: list[pathlib.Path],
-               replace: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
-  """3 processes x 2 devices of LayUp on the digits, each started as the launcher would start it
+def _start(train_args: list[str], logs: list[pathlib.Path], devices_per_process: int,
+           replace: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
+  """One process per log of the run `train_args`, each started as the launcher would start it
   (its output to `logs[k]`); `replace[k]`: a command run in process k's place, before its train
   arguments."""
-  every = commands(3, free_port(), _train_args_3x2(work, settings))
-  env, processes = environment(2), []  # one environment: one run secret
+  every = commands(len(logs), free_port(), train_args)
+  env, processes = environment(devices_per_process), []  # one environment: one run secret
   for k, command in enumerate(every):
     if k in (replace or {}):
       command = [sys.executable, *replace[k], *command[3:]]  # past `python -m layup_jax.train`
@@ -394,6 +394,12 @@ def _start_3x2(work, settings: dict, logs: list[pathlib.Path],
       processes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=out,
                                         stderr=subprocess.STDOUT))
   return processes
+
+
+def _start_3x2(work, settings: dict, logs: list[pathlib.Path],
+               replace: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
+  """3 processes x 2 devices of a run on the digits (`_start`)."""
+  return _start(_train_args_3x2(work, settings), logs, 2, replace)
 
 
 def _assert_survivors_finished(work, steps: int, statuses: list[int], log: str) -> None:
@@ -480,6 +486,40 @@ def test_a_stopped_process_is_declared_lost(tmp_path):
   assert statuses[2] == 4
 
 
+@pytest.mark.multiprocess
+def test_processes_that_see_different_newest_checkpoints_resume_from_the_same_step(tmp_path):
+  """2 processes x 4 devices, DDP on the digits with a checkpoint every 10 steps, run to its end
+  (30); the same command again, process 1 not seeing checkpoint 30 (as a lagging view of shared
+  storage would not; tests/faulty_process.py): both resume from 20, the newest step both read,
+  checkpoint 30 is moved aside (the run saves it again), and every loss recorded from there
+  equals the first run's (DDP is deterministic)."""
+  settings = {"algorithm": "ddp", "model.widths": "(4,8,8)", "num_steps": 30, "eval_every": 10,
+              "checkpoint.every": 10, "progress_bar": False}
+  work = tmp_path / "work"
+  _launch_to_the_end(work, settings)
+  first = _losses(work)
+  assert sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit()) == [
+      10, 20, 30]
+  logs = [tmp_path / f"process_{k}.log" for k in range(2)]
+  args = ["--config", "configs/digits.py", "--workdir", str(work), *_overrides(settings)]
+  processes = _start(args, logs, 4, {1: ["tests/faulty_process.py", "hide_newest"]})
+  try:
+    statuses = [p.wait(timeout=420) for p in processes]
+  finally:
+    for p in processes:
+      p.kill()
+  output = logs[0].read_text()
+  assert statuses == [0, 0], _tail(output) + _tail(logs[1].read_text())
+  assert json.loads((work / "summary.json").read_text())["resumed_from_step"] == 20
+  assert "checkpoints [30] of" in output and "are not seen by every process" in output
+  assert [p.name.split("-")[0] for p in (work / "checkpoints_unreadable").iterdir()] == ["30"]
+  assert (work / "checkpoints" / "30").is_dir()  # saved again
+  again = _losses(work)
+  assert [(s, k) for s, k, _ in again] == [(s, k) for s, k, _ in first]
+  for (_, _, a), (_, _, b) in zip(again, first, strict=True):
+    assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+
+
 def test_the_launcher_gives_each_process_its_place_and_its_devices():
   first, second = commands(2, 12355, ["--config", "configs/digits.py"])
   assert first[-3:] == ["--config.distributed.coordinator_address=127.0.0.1:12355",
@@ -556,6 +596,32 @@ def test_distributed_keys_without_a_distributed_process_are_refused(tiny_config,
   tiny_config.distributed.num_processes, tiny_config.distributed.process_id = 2, 0
   with pytest.raises(ConfigError, match="did not join a distributed run"):
     runner.run(tiny_config, tmp_path)
+
+
+def test_tls_takes_all_three_files_and_a_jax_that_offers_it(tmp_path):
+  """`distributed.tls_*`: each of the three files is needed and must be readable; a jax without
+  TLS for its coordination service is one line naming its version; one with it is given the
+  files and told never to fall back to insecure credentials."""
+  import inspect
+
+  config = defaults.get_config().distributed
+  assert setup.tls_arguments(config) == {}  # plain gRPC by default
+  config.tls_cert_file = str(tmp_path / "cert.pem")
+  with pytest.raises(ConfigError, match=r"config.distributed.tls_key_file is empty"):
+    setup.tls_arguments(config)
+  config.tls_key_file, config.tls_ca_file = str(tmp_path / "key.pem"), str(tmp_path / "ca.pem")
+  with pytest.raises(ConfigError, match=r"tls_cert_file=.*cert.pem': no readable file there"):
+    setup.tls_arguments(config)
+  for name in ("cert", "key", "ca"):
+    (tmp_path / f"{name}.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+  if "mtls_cert_file" in inspect.signature(jax.distributed.initialize).parameters:
+    assert setup.tls_arguments(config) == {
+        "mtls_cert_file": str(tmp_path / "cert.pem"), "mtls_key_file": str(tmp_path / "key.pem"),
+        "mtls_ca_file": str(tmp_path / "ca.pem"), "verify_secure_credentials": True}
+  else:
+    with pytest.raises(ConfigError, match=rf"jax {jax.__version__} offers no TLS for its "
+                                          r"coordination service \(jax 0.12 does"):
+      setup.tls_arguments(config)
 
 
 def test_no_coordinator_is_a_single_process_run():

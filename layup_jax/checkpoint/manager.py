@@ -15,12 +15,14 @@ per process) and reads back only those, and the checkpoint is the same whichever
 wrote it. A run in one process reads every row, which is what resuming on another device
 count (`layup_jax.pushsum.remap`) or another process layout needs.
 Orbax writes a step into a temporary folder and renames it when complete, so a run killed while
-saving leaves the previous checkpoints as they were; a step that still fails to restore (a
-truncated or damaged file) is moved to `WORKDIR/checkpoints_unreadable/` with a warning and the
-one before it is used.
+saving leaves the previous checkpoints as they were. A run's processes resume from the newest
+step every one of them reads (`Checkpoints.restore`); a damaged step (a truncated or missing
+file) is moved to `WORKDIR/checkpoints_unreadable/` with a warning and the one before it is
+used; any other read error stops the run in one line, after retries, with nothing moved.
 """
 
 import concurrent.futures
+import dataclasses
 import os
 import pathlib
 import queue
@@ -40,6 +42,49 @@ from layup_jax.errors import ConfigError, StorageError
 from layup_jax.platform import compat
 
 PyTree = Any
+# Waits before the second and third tries of a checkpoint read that failed other than as damage.
+_RETRY_WAITS_S = (1.0, 4.0)
+
+# OSErrors that say a file is missing or of the wrong kind: a checkpoint's damage, not the
+# storage's trouble of the moment.
+_MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+# Words of TensorStore's status codes for trouble of the moment, in a ValueError's text.
+_TRANSIENT_STATUS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED",
+                     "CANCELLED")
+
+
+def is_damage(error: BaseException) -> bool:
+  """Whether a read failed on the checkpoint's data (truncated or missing files, unparsable
+  metadata: Orbax and TensorStore raise ValueError, KeyError, JSON errors) rather than on the
+  storage or the host of the moment (any other OSError, MemoryError, a TensorStore status of
+  trouble of the moment), or on something unknown: only damage moves a checkpoint aside."""
+  chain, seen = [], error
+  while seen is not None and len(chain) < 16:
+    chain.append(seen)
+    seen = seen.__cause__ or seen.__context__
+  for cause in chain:
+    if isinstance(cause, MemoryError) or (isinstance(cause, OSError)
+                                          and not isinstance(cause, _MISSING)):
+      return False
+    if isinstance(cause, ValueError) and any(w in str(cause) for w in _TRANSIENT_STATUS):
+      return False
+  return isinstance(error, (ValueError, KeyError, IndexError, EOFError, StopIteration, *_MISSING))
+
+
+@dataclasses.dataclass(frozen=True)
+class Peers:
+  """The processes that restore a run together: `gather(value)` gives every one's value (plain
+  data), in order, each process calling it at the same points; `leads`: this one moves damaged
+  checkpoints aside."""
+  gather: Callable[[Any], list]
+  leads: bool
+
+  @staticmethod
+  def alone() -> "Peers":
+    return Peers(lambda value: [value], True)
+
+
 class _SaveThread:
   """Runs the saves in order on one thread of our own.
 
@@ -229,43 +274,108 @@ class Checkpoints:
                         f"({type(error).__name__}: {str(error).splitlines()[0][:300]}); {kept}")
 
   def restore(self, template_of: Callable[[dict], PyTree], step: int | None = None,
-              quarantine: bool = True) -> tuple[int, PyTree, dict] | None:
-    """The newest readable checkpoint (or `step`) as `(step, arrays, meta)`, None if there is
-    none. `template_of(meta)` gives the arrays' shapes and target devices (and may raise
-    ConfigError for an incompatible checkpoint). Unreadable steps are skipped with a warning and,
-    with `quarantine`, moved aside so that their step numbers can be saved again."""
-    candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
-    unreadable = []
-    try:
-      for candidate in candidates:
-        try:
-          meta = self._manager.restore(candidate, args=ocp.args.Composite(
-              meta=ocp.args.JsonRestore()))["meta"]
-          template = template_of(meta)
-          packed = self._manager.restore(candidate, args=ocp.args.Composite(
-              arrays=ocp.args.StandardRestore(packed_template(template))))["arrays"]
-          return candidate, unpack(packed, template), meta
-        except ConfigError:
-          raise
-        except Exception as error:  # noqa: BLE001 - any damage: try the previous step
-          first_line = (str(error).strip().splitlines() or [""])[0][:200]
-          logging.warning("checkpoint %s/%d is unreadable (%s: %s); trying the previous one",
-                          self.directory, candidate, type(error).__name__, first_line)
-          unreadable.append(candidate)
-      return None
-    finally:
-      if quarantine and unreadable:
-        self._quarantine(unreadable)
+              quarantine: bool = True, peers: "Peers | None" = None
+              ) -> tuple[int, PyTree, dict] | None:
+    """The newest checkpoint (or `step`) that every process of the run can read, as
+    `(step, arrays, meta)`; None if there is none. `template_of(meta)` gives the arrays'
+    shapes and target devices (and may raise ConfigError for an incompatible checkpoint).
 
-  def _quarantine(self, steps: list[int]) -> None:
-    aside = self.directory.parent / f"{self.directory.name}_unreadable"
+    The processes (`peers`; this one alone by default) agree: they try the steps every one of
+    them sees, newest first, each the same step, and take the first that all read. Only damage
+    moves a checkpoint aside (with `quarantine`, by the leader, so that its step can be saved
+    again): a step that some process failed to read as data (a truncated or missing file,
+    unparsable metadata), and a step newer than the one taken that not every process sees. Any
+    other error (an I/O error, memory) is tried again (`_RETRY_WAITS_S`), then stops every
+    process in one line (StorageError), nothing moved: a run never starts again from step 0
+    unasked. Where every step a run saw was damaged, the run stops too, once they are moved
+    aside (its rerun starts from step 0)."""
+    peers = peers or Peers.alone()
+    views = peers.gather([step] if step is not None else self.steps())
+    common = sorted(set.intersection(*map(set, views)), reverse=True)
+    partial = set().union(*map(set, views)) - set(common)
+    if partial and not common:  # one process sees none of another's: not the same folder
+      seen = "; ".join(f"process {k}: {sorted(v) or 'none'}" for k, v in enumerate(views))
+      raise StorageError(
+          f"the processes see different checkpoints in {self.directory} and none in common "
+          f"({seen}); every process must see the same workdir (shared storage): rerun once "
+          f"they do")
+    damaged: list[tuple[int, str]] = []
+    chosen = None
+    for candidate in common:
+      result, failure = self._read(candidate, template_of)
+      failures = [(k, f) for k, f in enumerate(peers.gather(failure)) if f is not None]
+      if not failures:
+        chosen = (candidate, *result)
+        break
+      config_errors = [f for _, f in failures if f[0] == "config"]
+      if config_errors:
+        raise ConfigError(config_errors[0][1])
+      errors = [(k, f) for k, f in failures if f[0] == "error"]
+      if errors:
+        k, (_, what) = errors[0]
+        raise StorageError(
+            f"checkpoint {self.directory}/{candidate} could not be read (process {k}: {what}) "
+            f"after {len(_RETRY_WAITS_S) + 1} tries; nothing was moved or restarted: rerun the "
+            f"same command to try again once the storage answers")
+      k, (_, what) = failures[0]
+      logging.warning("checkpoint %s/%d is damaged (process %d: %s); trying the previous one",
+                      self.directory, candidate, k, what)
+      damaged.append((candidate, what))
+    newer = sorted(s for s in partial if chosen is not None and s > chosen[0])
+    if newer:
+      logging.warning("checkpoints %s of %s are not seen by every process; the run resumes "
+                      "from an earlier one", newer, self.directory)
+    if quarantine:
+      aside = [s for s, _ in damaged] + newer
+      if aside:
+        if peers.leads:
+          self._move_aside(aside)
+        peers.gather(None)  # every process reopens once the leader has moved them
+        self._manager.close()
+        self._manager = self._open()
+      if chosen is None and damaged:
+        raise StorageError(
+            f"no checkpoint in {self.directory} could be read: steps "
+            f"{', '.join(str(s) for s, _ in damaged)} were damaged ({damaged[0][1]}) and were "
+            f"moved to {self._aside_directory()}/; rerun the same command to start from step "
+            f"0, or name another run's checkpoints with --config.restore")
+    return chosen
+
+  def _read(self, step: int, template_of: Callable[[dict], PyTree]
+            ) -> tuple[tuple[PyTree, dict] | None, tuple[str, str] | None]:
+    """Step `step` read here: ((arrays, meta), None), or (None, (kind, what)) where kind is
+    "damage" (`is_damage`), "error" (after the retries) or "config" (incompatible)."""
+    for wait in (*_RETRY_WAITS_S, None):
+      try:
+        meta = self._manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+        template = template_of(meta)
+        packed = self._manager.restore(step, args=ocp.args.Composite(
+            arrays=ocp.args.StandardRestore(packed_template(template))))["arrays"]
+        return (unpack(packed, template), meta), None
+      except ConfigError as error:
+        return None, ("config", str(error))
+      except Exception as error:  # noqa: BLE001 - sorted into damage and everything else
+        what = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+        if is_damage(error):
+          return None, ("damage", what)
+        if wait is None:
+          return None, ("error", what)
+        logging.warning("reading checkpoint %s/%d failed (%s); trying again in %g s",
+                        self.directory, step, what, wait)
+        time.sleep(wait)
+    raise AssertionError("unreachable")
+
+  def _aside_directory(self) -> pathlib.Path:
+    return self.directory.parent / f"{self.directory.name}_unreadable"
+
+  def _move_aside(self, steps: list[int]) -> None:
+    aside = self._aside_directory()
     aside.mkdir(exist_ok=True)
     for step in steps:
       source = self.directory / str(step)
       if source.exists():
         shutil.move(source, aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
-    self._manager.close()
-    self._manager = self._open()
 
   def close(self) -> None:
     """Finishes the saves under way (their errors were or will be reported by `wait`)."""

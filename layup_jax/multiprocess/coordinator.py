@@ -26,14 +26,15 @@ HEARTBEAT_TIMEOUT_S = 60
 
 def serve(port: int, processes: int, host: str = "[::]",
           heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
-          stop: threading.Event | None = None) -> None:
+          stop: threading.Event | None = None, tls: dict | None = None) -> None:
   """Hosts the service for `processes` training processes on `host:port` until `stop` is set
-  (by default: until SIGTERM or SIGINT)."""
+  (by default: until SIGTERM or SIGINT); `tls`: jax's mutual-TLS arguments."""
   if stop is None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
       signal.signal(signum, lambda *_: stop.set())
-  service = compat.start_coordination_service(f"{host}:{port}", processes, heartbeat_timeout_s)
+  service = compat.start_coordination_service(f"{host}:{port}", processes, heartbeat_timeout_s,
+                                              tls=tls)
   print(f"coordinator: serving {processes} training processes on port {port}", file=sys.stderr,
         flush=True)
   try:
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> None:
                       help="training processes in the run (config.distributed.num_processes)")
   parser.add_argument("--host", default="[::]", help="the address to listen on (default: all)")
   parser.add_argument("--heartbeat-timeout-s", type=int, default=HEARTBEAT_TIMEOUT_S)
+  for name in ("cert", "key", "ca"):
+    parser.add_argument(f"--tls-{name}-file", default="",
+                        help=f"mutual TLS: as config.distributed.tls_{name}_file (all three, or "
+                             f"none)")
   args = parser.parse_args(argv)
   if args.processes < 1 or not 0 < args.port < 65536:
     parser.error("--processes must be >= 1 and --port a port number")
@@ -57,7 +62,15 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit("error: this jax gives no way to run the coordination service apart "
              "(layup_jax/platform/compat.py); start the training processes without "
              "config.distributed.external_coordinator")
-  serve(args.port, args.processes, args.host, args.heartbeat_timeout_s)
+  from layup_jax.errors import ConfigError
+  from layup_jax.multiprocess.setup import tls_arguments
+
+  try:
+    tls = tls_arguments({f"tls_{n}_file": getattr(args, f"tls_{n}_file") for n in
+                         ("cert", "key", "ca")})
+  except ConfigError as error:
+    parser.error(str(error).replace("config.distributed.tls_", "--tls-").replace("_file", "-file"))
+  serve(args.port, args.processes, args.host, args.heartbeat_timeout_s, tls=tls)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ process 0 the state every process holds the same, with the metadata gathered fro
 
 import dataclasses
 import errno
+import inspect
+import os
 import socket
 
 import jax
@@ -93,6 +95,7 @@ def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> 
                                                       config.get("bind_host", ""))
     if chosen.process_id == 0:
       _check_port_free(kwargs["coordinator_bind_address"], chosen.coordinator_address)
+  kwargs.update(tls_arguments(config))
   try:
     join(
         **kwargs,
@@ -113,6 +116,34 @@ def initialize(config: ml_collections.ConfigDict, recoverable: bool = False) -> 
       client, "layup_jax/alive/0") is not None:  # process 0 started again into its run
     compat.forget_global_topology(client)
   return True
+
+
+_TLS_KEYS = ("tls_cert_file", "tls_key_file", "tls_ca_file")
+
+
+def tls_arguments(config: ml_collections.ConfigDict) -> dict:
+  """jax's mutual-TLS arguments for its coordination service from `config.distributed`'s
+  `tls_*` files (none set: none, plain gRPC). All three are needed, each a readable file, and a
+  jax that offers TLS there (0.12 does; 0.10 does not): else one line (ConfigError). With them
+  a process refuses to fall back to insecure credentials (`verify_secure_credentials`)."""
+  files = {key: config.get(key, "") for key in _TLS_KEYS}
+  if not any(files.values()):
+    return {}
+  missing = [key for key, path in files.items() if not path]
+  if missing:
+    raise ConfigError(f"config.distributed.{missing[0]} is empty: TLS needs all of "
+                      f"{', '.join('config.distributed.' + k for k in _TLS_KEYS)}")
+  for key, path in files.items():
+    if not os.access(os.path.expanduser(path), os.R_OK):
+      raise ConfigError(f"config.distributed.{key}={path!r}: no readable file there")
+  if "mtls_cert_file" not in inspect.signature(jax.distributed.initialize).parameters:
+    raise ConfigError(f"config.distributed.tls_*: jax {jax.__version__} offers no TLS for its "
+                      f"coordination service (jax 0.12 does, on Python >= 3.12); upgrade jax, or "
+                      f"leave the tls_* files empty and keep the service on a trusted network")
+  return {"mtls_cert_file": os.path.expanduser(files["tls_cert_file"]),
+          "mtls_key_file": os.path.expanduser(files["tls_key_file"]),
+          "mtls_ca_file": os.path.expanduser(files["tls_ca_file"]),
+          "verify_secure_credentials": True}
 
 
 _LOOPBACK = ("127.", "localhost", "::1", "[::1]")

@@ -88,14 +88,15 @@ EXTERNAL_COORDINATOR = _external_coordinator_supported()
 
 
 def start_coordination_service(bind_address: str, num_processes: int, heartbeat_timeout_s: int,
-                               shutdown_timeout_s: int = 300):
+                               shutdown_timeout_s: int = 300, tls: dict | None = None):
   """jax's coordination service (key-value store, barriers, liveness) in this process, which
-  needs no devices; recoverable, so that a lost client is let go and a restarted one let in."""
+  needs no devices; recoverable, so that a lost client is let go and a restarted one let in.
+  `tls`: jax's mutual-TLS arguments (`multiprocess.setup.tls_arguments`)."""
   from jax._src.lib import _jax
 
   return _jax.get_distributed_runtime_service(
       bind_address, num_processes, heartbeat_timeout=heartbeat_timeout_s,
-      shutdown_timeout=shutdown_timeout_s, recoverable=True)
+      shutdown_timeout=shutdown_timeout_s, recoverable=True, **(tls or {}))
 
 
 class _WithoutService:

@@ -1,13 +1,15 @@
 """Resuming a run: its newest readable checkpoint (or `config.restore`'s) loaded into the
 runtime, and every device's data iterator put back where it stopped."""
 
+import jax
 from absl import logging
 
 from layup_jax import data
 from layup_jax.checkpoint import manager
 from layup_jax.checkpoint.checks import check_compatible
-from layup_jax.checkpoint.manager import Checkpoints
+from layup_jax.checkpoint.manager import Checkpoints, Peers
 from layup_jax.errors import ConfigError
+from layup_jax.multiprocess import gathers, membership
 
 
 def restore_data(dataset: data.Dataset, saved: list[dict], step: int, exact: bool = True) -> None:
@@ -24,9 +26,19 @@ def restore_data(dataset: data.Dataset, saved: list[dict], step: int, exact: boo
     iterator.set_state({**saved[0], "next_index": consumed // len(dataset.train)})
 
 
+def run_peers() -> Peers:
+  """This run's processes, which restore together: every process's value through the
+  coordination service's store, the run's leader moving damaged checkpoints aside."""
+  if jax.process_count() == 1:
+    return Peers.alone()
+  return Peers(gathers.all_gather_json, membership.members.leader == jax.process_index())
+
+
 def restore(config, runtime, dataset, checkpoints: Checkpoints) -> tuple[int, float] | None:
-  """Loads the workdir's newest readable checkpoint, else `config.restore`'s; (step, time)."""
+  """Loads the newest checkpoint of the workdir that every process reads, else
+  `config.restore`'s; (step, time)."""
   current = config.to_json_best_effort()
+  peers = run_peers()
 
   def template_of(where):
     def template(meta):
@@ -34,12 +46,13 @@ def restore(config, runtime, dataset, checkpoints: Checkpoints) -> tuple[int, fl
       return runtime.checkpoint.restore_template(meta["runtime"])
     return template
 
-  restored = checkpoints.restore(template_of(checkpoints.directory))
+  restored = checkpoints.restore(template_of(checkpoints.directory), peers=peers)
   source = checkpoints.directory
   if restored is None and config.restore:
     external, step = manager.open_restore_path(config.restore, config.checkpoint.keep)
     try:
-      restored = external.restore(template_of(external.directory), step, quarantine=False)
+      restored = external.restore(template_of(external.directory), step, quarantine=False,
+                                  peers=peers)
     finally:
       external.close()
     if restored is None:
