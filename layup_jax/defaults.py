@@ -264,9 +264,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Python >= 3.12): PEM files of this process's certificate chain, its private key, and the
   # authority that signed every process's (all three, or none: plain gRPC). The service then
   # admits only holders of a certificate that authority signed (docs/guide/several_hosts.md).
+  # This key: the certificate chain.
   config.distributed.tls_cert_file = ""
-  config.distributed.tls_key_file = ""
-  config.distributed.tls_ca_file = ""
+  config.distributed.tls_key_file = ""  # mutual TLS: this process's private key (PEM)
+  config.distributed.tls_ca_file = ""  # mutual TLS: the authority that signed every process's
   # Gossip across processes: the chance that a device's peer is on another process (-1: uniform
   # over the run's other devices).
   config.distributed.remote_peer_probability = 0.2

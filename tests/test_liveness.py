@@ -112,6 +112,25 @@ def test_a_guarded_gather_accuses_a_writer_that_trained_once_the_timeout_passed(
   assert not slow2.key_value_dir_get("layup_jax/accused/")
 
 
+def test_a_wait_on_a_process_that_waits_itself_accuses_it_only_a_deadline_later(
+    elastic, capsys):
+  """The run's leader waits on a hung process's part of a gather while the others wait on the
+  leader's list of members: the leader's heartbeat says it waits, so the others' first deadline
+  accuses nobody (the hung one is found by its progress or the leader's own wait), their
+  second does (two processes that wait on each other across a cut link)."""
+  store, members = elastic
+  members.progress_timeout_s = 1e-9
+  members.trained.add(1)
+  members.held.add(1)  # its heartbeat says it waits on another process
+  assert members.accuse(store, 1, "late", insist=False) is False
+  assert not store.key_value_dir_get("layup_jax/accused/")
+  slow = SlowWriter("layup_jax/gather/9/1", b'"late"', polls=3)
+  assert gathers.await_value(slow, "layup_jax/gather/9/1", 1) == b'"late"'
+  assert [k for k, _ in slow.key_value_dir_get("layup_jax/accused/")] == [
+      "layup_jax/accused/1/0"]
+  assert "did not write layup_jax/gather/9/1 within 2e-09 s" in capsys.readouterr().err
+
+
 class NeverArrives:
   def is_ready(self):
     return False

@@ -14,21 +14,27 @@ from layup_jax.platform import compat
 
 
 class FakeStore:
-  """The key-value calls `Membership` makes; a delete removes a key and its directory."""
+  """The key-value calls `Membership` makes; a delete removes a key and its directory. Safe
+  across threads, as jax's client is (a listing made while another thread writes once ended a
+  test's thread with `dictionary changed size during iteration`)."""
 
   def __init__(self):
     self.values: dict[str, str] = {}
+    self._lock = threading.Lock()
 
   def key_value_set(self, key, value, allow_overwrite=False):
-    assert allow_overwrite or key not in self.values, key
-    self.values[key] = value
+    with self._lock:
+      assert allow_overwrite or key not in self.values, key
+      self.values[key] = value
 
   def key_value_delete(self, key):
-    for k in [k for k in self.values if k == key or k.startswith(key + "/")]:
-      del self.values[k]
+    with self._lock:
+      for k in [k for k in self.values if k == key or k.startswith(key + "/")]:
+        del self.values[k]
 
   def key_value_dir_get(self, prefix):
-    return sorted((k, v) for k, v in self.values.items() if k.startswith(prefix))
+    with self._lock:
+      return sorted((k, v) for k, v in self.values.items() if k.startswith(prefix))
 
   def blocking_key_value_get(self, key, timeout_ms):
     if key not in self.values:

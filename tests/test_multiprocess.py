@@ -487,6 +487,38 @@ def test_a_stopped_process_is_declared_lost(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_process_whose_training_hangs_while_it_beats_is_declared_lost(tmp_path):
+  """3 processes x 2 devices, LayUp on the digits: process 2's training blocks for good after
+  its 200th iteration (tests/faulty_process.py) while its heartbeat goes on. Its iterations
+  stand still (or another process's wait on it passes its deadline): it is declared lost once,
+  by the progress timeout's rules, not by silence; it stops itself in one line; processes 0
+  and 1 finish >= 0.95 with the weights summing to 1 within 1e-9."""
+  settings = {"algorithm": "layup", "num_steps": 300, "eval_every": 30, "progress_bar": False,
+              "model.granularity": "per_block",  # 5 stage programs, not 8: CI's time
+              "distributed.heartbeat_timeout_s": 5, "distributed.progress_timeout_s": 10}
+  work = tmp_path / "hung"
+  logs = [tmp_path / f"process_{k}.log" for k in range(3)]
+  processes = _start_3x2(work, settings, logs, {2: ["tests/faulty_process.py", "hang"]})
+  try:
+    statuses = [p.wait(timeout=600) for p in processes]
+  finally:
+    for p in processes:
+      p.kill()
+  first, hung = logs[0].read_text(), logs[2].read_text()
+  _assert_survivors_finished(work, 300, statuses, first + logs[1].read_text() + hung)
+  declared = re.findall(r"process 2 lost at step \d+; 4 devices train on \((.*)\)", first)
+  assert len(declared) == 1, _tail(first)
+  # Its own iterations standing still, or a wait of another process on it past the deadline.
+  assert re.fullmatch(r"its training made no progress for 10 s|process [01]: (process 2 did not "
+                      r"write .* within 10 s|sends to process 2 were not acknowledged for 10 s|"
+                      r"a transfer from process 2 did not arrive within 10 s)", declared[0]), (
+      declared)
+  lines = [line for line in hung.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and "the run declared this process lost" in lines[0], _tail(hung)
+  assert statuses[2] == 4
+
+
+@pytest.mark.multiprocess
 def test_processes_that_see_different_newest_checkpoints_resume_from_the_same_step(tmp_path):
   """2 processes x 4 devices, DDP on the digits with a checkpoint every 10 steps, run to its end
   (30); the same command again, process 1 not seeing checkpoint 30 (as a lagging view of shared

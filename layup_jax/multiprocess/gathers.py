@@ -29,7 +29,7 @@ def await_value(client, key: str, writer: int) -> bytes:
   without one, at most `GATHER_TIMEOUT_S`."""
   members = membership.members
   deadline = None if members.watched else time.monotonic() + GATHER_TIMEOUT_S
-  accuse_at = members.deadline()
+  accuse_at, insist = members.deadline(), False
   with members.waiting():
     while True:
       try:
@@ -45,9 +45,12 @@ def await_value(client, key: str, writer: int) -> bytes:
         raise TimeoutError(f"process {writer} did not write {key} within {GATHER_TIMEOUT_S:g} s")
       if (accuse_at is not None and time.monotonic() > accuse_at and writer in members.trained
           and members.watched):
-        members.accuse(client, writer, f"process {writer} did not write {key} within "
-                                       f"{members.progress_timeout_s:g} s")
-        accuse_at = None
+        waited = members.progress_timeout_s * (2 if insist else 1)
+        if members.accuse(client, writer, f"process {writer} did not write {key} within "
+                                          f"{waited:g} s", insist):
+          accuse_at = None
+        else:  # it waits itself: a deadline more
+          accuse_at, insist = members.deadline(), True
 
 
 def _read_gather(client, prefix: str, mine: bytes) -> list[tuple[int, bytes]]:

@@ -102,6 +102,7 @@ class Membership:
     self.training = False  # between consistent points (`Session`); else it waits on the others
     self._waits = 0  # this process's threads waiting on another process now (`waiting`)
     self.trained: set[int] = set()  # processes seen making progress (the watchdog's)
+    self.held: set[int] = set()  # processes whose last heartbeat says they wait (the watchdog's)
 
   @contextlib.contextmanager
   def waiting(self):
@@ -124,11 +125,18 @@ class Membership:
     """When a wait on another process that starts now ends in an accusation (None: never)."""
     return time.monotonic() + self.progress_timeout_s if self.progress_timeout_s else None
 
-  def accuse(self, client, process: int, why: str) -> None:
+  def accuse(self, client, process: int, why: str, insist: bool = True) -> bool:
     """This process found `process` failing it (a wait past its deadline, sends past the bound
     of malformed ones): in an elastic run the leader declares it lost (the watchdog reads the
     accusations); in any other run nothing can go on without it, and this process stops in one
-    line (the others then find it silent)."""
+    line (the others then find it silent). Unless `insist`, a process that itself waits on
+    another (its heartbeat says so) is not accused: the one it waits for is found by its own
+    deadline or progress (a run's leader waits for a hung process's part of a gather while the
+    others wait for the leader). A wait accuses once without insisting, then, a deadline later,
+    insisting (two processes that wait on each other across a cut link). Returns whether it
+    accused."""
+    if not insist and process in self.held:
+      return False
     me = jax.process_index()
     if not self.elastic:
       print(f"error: {why}; process {me} stops. Rerun the same command on every process to "
@@ -139,6 +147,7 @@ class Membership:
       print(f"process {me}: {why}; it asks the run to declare process {process} lost",
             file=sys.stderr, flush=True)
       client.key_value_set(key, why[:300], allow_overwrite=True)
+    return True
 
   def accusations(self, client) -> list[tuple[int, int, str]]:
     """(accused, accuser, why) of every accusation in the store, accused not yet lost."""
@@ -183,8 +192,11 @@ class Membership:
     with self._lock:
       return process in self.lost
 
-  def declare(self, client, process: int, step: int) -> None:
-    """Process 0: `process` is lost at `step` (then every process learns it by `refresh`)."""
+  def declare(self, client, process: int, step: int, why: str = "") -> None:
+    """The leader: `process` is lost at `step` (then every process learns it by `refresh`);
+    `why` is kept for the lost process to say (`Watchdog`)."""
+    if why:
+      client.key_value_set(f"layup_jax/lost_why/{process}", why[:300], allow_overwrite=True)
     client.key_value_set(f"layup_jax/lost/{process}", str(step), allow_overwrite=True)
     self.refresh(client)
 
@@ -221,7 +233,7 @@ class Membership:
     """The leader, before telling the others: `process` is no longer declared lost (nor
     accused: its earlier run's accusations go with it)."""
     client = signed.client()
-    for kind in ("lost", "join", "joining"):
+    for kind in ("lost", "lost_why", "join", "joining"):
       client.key_value_delete(f"layup_jax/{kind}/{process}")
     for key, _ in client.key_value_dir_get(f"layup_jax/accused/{process}/"):
       client.key_value_delete(key)

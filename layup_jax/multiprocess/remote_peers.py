@@ -287,15 +287,18 @@ class RemotePeers:
     members = membership.members
     with members.waiting():
       for process in self.other_processes():
-        acked, deadline = self.acknowledged(process), members.deadline()
+        acked, deadline, insist = self.acknowledged(process), members.deadline(), False
         while (acked < self._sent[process] and not stopped() and process not in self.lost):
           time.sleep(_ACK_POLL_S)
           if (now := self.acknowledged(process)) != acked:
-            acked, deadline = now, members.deadline()
+            acked, deadline, insist = now, members.deadline(), False
           elif deadline is not None and time.monotonic() > deadline:
-            members.accuse(self._client, process, f"sends to process {process} were not "
-                           f"acknowledged for {members.progress_timeout_s:g} s")
-            deadline = None
+            waited = members.progress_timeout_s * (2 if insist else 1)
+            if members.accuse(self._client, process, f"sends to process {process} were not "
+                              f"acknowledged for {waited:g} s", insist):
+              deadline = None
+            else:  # it waits itself: a deadline more
+              deadline, insist = members.deadline(), True
 
   # --- receiving ------------------------------------------------------------------------------
 
@@ -421,7 +424,7 @@ class RemotePeers:
     uuid = self._offer_and_announce(process, notice, peer, s, mine, 0.0, average=True)
     reply = f"layup_jax/gossip-reply/{self._me}/{uuid}"
     members = membership.members
-    deadline = members.deadline()
+    deadline, insist = members.deadline(), False
     with members.waiting():
       while True:
         try:
@@ -433,9 +436,12 @@ class RemotePeers:
           if "DEADLINE_EXCEEDED" not in str(error) or stopped():
             raise
         if deadline is not None and time.monotonic() > deadline:
-          members.accuse(self._client, process, f"a pairwise average with process {process} "
-                         f"was not answered for {members.progress_timeout_s:g} s")
-          deadline = None
+          waited = members.progress_timeout_s * (2 if insist else 1)
+          if members.accuse(self._client, process, f"a pairwise average with process {process} "
+                            f"was not answered for {waited:g} s", insist):
+            deadline = None
+          else:  # it waits itself: a deadline more
+            deadline, insist = members.deadline(), True
     self._client.key_value_delete(reply)
     try:  # in an elastic run, waited for here, where a dead peer's failure can be caught
       theirs = self._arrived(process, self._pull(process, theirs_uuid, i, s))

@@ -166,6 +166,8 @@ class Watchdog:
           state = read_beat(value)
           if state is not None and self._progress.observe(k, state[1], state[2], now):
             stalled.append(k)
+          if state is not None:  # whether it waits on another process itself (`accuse`)
+            (members.held.add if state[2] else members.held.discard)(k)
           if self._progress.has_trained(k):
             members.trained.add(k)
           # A process not seen yet may still be starting (a loaded host): 3x the time.
@@ -211,9 +213,7 @@ class Watchdog:
 
   def _why_lost(self) -> str:
     """What the run said when it declared this process lost."""
-    said = [f"process {key.rsplit('/', 1)[1]}: {why}" for key, why in
-            self._client.key_value_dir_get(f"layup_jax/accused/{self._me}/")]
-    return said[0] if said else f"silent for more than {self._timeout_s:g} s"
+    return self._value(f"layup_jax/lost_why/{self._me}") or "no reason given"
 
   def _silent(self, k: int) -> None:
     """Process k has not answered for `timeout_s`."""
@@ -232,7 +232,7 @@ class Watchdog:
     if self._me != decides or members.is_lost(k):
       return  # the leader decides (and says so); the leader, the process next in line
     step = members.step
-    members.declare(self._client, k, step)
+    members.declare(self._client, k, step, why)
     live = set(members.live())
     devices = sum(1 for d in jax.devices() if d.process_index in live)
     print(f"process {k} lost at step {step}; {devices} devices train on ({why})",

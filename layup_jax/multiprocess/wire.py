@@ -91,12 +91,15 @@ def await_transfer(pulled: PyTree, source: int, is_lost: Callable[[int], bool],
     return pulled
   leaves = jax.tree.leaves(pulled)
   members = membership.members
-  deadline = members.deadline()
+  deadline, insist = members.deadline(), False
   while not all(leaf.is_ready() for leaf in leaves):
     if deadline is not None and time.monotonic() > deadline:  # a cut link: no end otherwise
-      members.accuse(signed.client(), source, f"a transfer from process {source} did not "
-                     f"arrive within {members.progress_timeout_s:g} s")
-      deadline = None
+      waited = members.progress_timeout_s * (2 if insist else 1)
+      if members.accuse(signed.client(), source, f"a transfer from process {source} did not "
+                        f"arrive within {waited:g} s", insist):
+        deadline = None
+      else:  # it waits itself: a deadline more
+        deadline, insist = members.deadline(), True
     if is_lost(source):
       print(f"process {me}: a transfer from process {source} was in flight when it was "
             f"declared lost; dropped, its push-sum amount lost with it", file=sys.stderr,
