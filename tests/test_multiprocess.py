@@ -901,7 +901,9 @@ def test_the_coordinators_loss_stops_every_process_in_one_line_and_a_rerun_resum
                               stderr=subprocess.STDOUT, text=True)
   try:
     _wait_for(work / "checkpoints" / "40", launcher, timeout=300)
-    coordinator = subprocess.run(["pgrep", "-f", "layup_jax.multiprocess.coordinator"],
+    # this launcher's own coordinator (tests beside this one may run theirs)
+    coordinator = subprocess.run(["pgrep", "-P", str(launcher.pid), "-f",
+                                  "layup_jax.multiprocess.coordinator"],
                                  capture_output=True, text=True, check=True).stdout.split()
     assert len(coordinator) == 1, coordinator
     os.kill(int(coordinator[0]), signal.SIGKILL)
