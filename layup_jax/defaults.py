@@ -187,6 +187,8 @@ def get_config() -> ml_collections.ConfigDict:
   # times its measured mean iteration time (layup_jax/runtime/straggler.py).
   config.straggler = ml_collections.ConfigDict()
   config.straggler.device = -1  # the slowed device; -1 = none
+  # Or every device of one process (a slow host across processes); -1 = none. Not with device.
+  config.straggler.process = -1
   config.straggler.delay_iters = 0.0  # its delay, in its own mean iterations
   # "host": its compute task idles before each iteration; "device": a program keeps its device
   # busy before each iteration while the host goes on dispatching (a slow device, fast host).

@@ -32,6 +32,17 @@ consensus distance and the run's test curve (step, training time, accuracy, dist
       --eval-every 0 --seeds 0 1 2 --repeats 1 --rates 20mbit \\
       --algorithms layup ddp diloco gosgd --out docs/results/hosts_stdlib_gpt2_mini.json
 
+Uneven hosts: `--slow-factors 1 1.5 2 4` runs each case with host `--slow-host`'s devices at
+that multiple of their iteration time (`straggler.process`, `straggler.delay_iters` = factor - 1,
+`--slow-mode host` or `device`: layup_jax/runtime/straggler.py), one table row per factor;
+`--link K=RATE` (repeatable) gives host K's link its own rate (uneven links: `--rates 100mbit
+--link 1=5mbit`).
+
+  sudo python scripts/bench_cluster.py --config configs/fashion_mnist.py --num-steps 0 \
+      --eval-every 0 --seeds 0 1 2 --repeats 1 --rates 20mbit --slow-factors 1 1.5 2 4 \
+      --algorithms ddp diloco local_sgd layup --set metrics.target_accuracy=0.88 \
+      --out docs/results/hosts_uneven_fashion_mnist.json
+
 A variant is "NAME KEY=VALUE ..." (config overrides), run beside the plain algorithm; `--set`
 overrides every run's config; `--num-steps 0` / `--eval-every 0` keep the config's. With a
 target, each run records its time to it (training time, evaluation excluded). `--repeats` is
@@ -97,12 +108,22 @@ def run_drill(command: list[str]) -> subprocess.CompletedProcess:
   return subprocess.CompletedProcess(command, drill.returncode, stdout, stderr)
 
 
+def slow_overrides(factor: float, args) -> list[str]:
+  """A slow host's config: its devices at `factor` times their iteration time."""
+  if factor == 1:
+    return []
+  return [f"straggler.process={args.slow_host}", f"straggler.delay_iters={factor - 1:g}",
+          f"straggler.mode={args.slow_mode}"]
+
+
 def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int, args,
-        workdir: str) -> dict:
+        workdir: str, factor: float = 1.0) -> dict:
   hosts, per_host = (int(n) for n in layout.split("x"))
   stats = os.path.join(workdir, "links.json")
+  overrides = [*overrides, *slow_overrides(factor, args)]
   command = ["bash", "scripts/cluster_drill.sh", "--hosts", str(hosts), "--devices-per-host",
              str(per_host), "--stats", stats, *(["--rate", rate] if rate != "unshaped" else []),
+             *[flag for link in args.link for flag in ("--host-rate", link)],
              *(["--cpus-per-host", str(args.cpus_per_host)] if args.cpus_per_host else []),
              # `config.py:algorithm` takes the algorithm's column of the config's table (its
              # searched lr and warm-up); `--config.algorithm=` would keep the default column's.
@@ -124,7 +145,7 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
     tail = said[-1] if said else (result.stderr.strip() or result.stdout.strip()
                                   or "no output").splitlines()[-1]
     return {"layout": layout, "rate": rate, "algorithm": algorithm, "seed": seed,
-            "failed": f"status {result.returncode}: {tail}"}
+            "slow_factor": factor, "failed": f"status {result.returncode}: {tail}"}
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   with open(stats) as f:
@@ -132,6 +153,8 @@ def run(layout: str, rate: str, algorithm: str, overrides: list[str], seed: int,
   iterations = summary["num_steps"] * summary["num_devices"]
   remote = summary.get("remote_send_latency_ms") or {}
   return {"layout": layout, "rate": rate, "algorithm": algorithm, "seed": seed,
+          "slow_factor": factor, "links": [h.get("rate") for h in links["links"]],
+          "device_samples_per_s": summary.get("device_samples_per_s"),
           "training_s": summary["wall_time_s"], "samples_per_s": summary["train_samples_per_s"],
           "final_accuracy": summary["final_eval_accuracy"],
           "final_loss": summary.get("final_eval_loss"),
@@ -178,6 +201,12 @@ def main_hosts(argv: list[str]) -> None:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--cpus-per-host", type=int, default=0,
                       help="each host's process on CPUs of its own (cluster_drill.sh; 0: shared)")
+  parser.add_argument("--slow-factors", type=float, nargs="+", default=[1.0],
+                      help="host --slow-host's iteration time, as a multiple of its own")
+  parser.add_argument("--slow-host", type=int, default=1)
+  parser.add_argument("--slow-mode", choices=("host", "device"), default="host")
+  parser.add_argument("--link", action="append", default=[], metavar="K=RATE",
+                      help="host K's link rate, instead of the --rates one (repeatable)")
   parser.add_argument("--cache", default=None,
                       help="compilation cache folder (default: a private temporary one)")
   parser.add_argument("--out", default="bench_cluster.json")
@@ -187,16 +216,18 @@ def main_hosts(argv: list[str]) -> None:
   args.cache = args.cache or tempfile.mkdtemp(prefix="bench_cluster_cache_")
   if os.geteuid() != 0:
     sys.exit("error: run as root (scripts/cluster_drill.sh creates network namespaces)")
+  if any(f < 1 for f in args.slow_factors):
+    parser.error("--slow-factors are multiples of an iteration's time: each >= 1")
   cases = [(a, a, []) for a in args.algorithms]
   for variant in args.variant:
     name, *overrides = variant.split()
     cases += [(f"{a}:{name}", a, overrides) for a in args.algorithms if a != "ddp"]
   rows, stopped = [], False
   try:
-    for repeat, seed, layout, rate, (label, algorithm, overrides) in itertools.product(
-        range(args.repeats), args.seeds, args.layouts, args.rates, cases):
+    for repeat, seed, layout, rate, factor, (label, algorithm, overrides) in itertools.product(
+        range(args.repeats), args.seeds, args.layouts, args.rates, args.slow_factors, cases):
       with tempfile.TemporaryDirectory() as workdir:
-        row = run(layout, rate, algorithm, overrides, seed, args, workdir)
+        row = run(layout, rate, algorithm, overrides, seed, args, workdir, factor)
       row.update(case=label, repeat=repeat, overrides=overrides)
       rows.append(row)
       print(json.dumps(row), flush=True)
@@ -210,28 +241,33 @@ def main_hosts(argv: list[str]) -> None:
     return statistics.median(values) if values else None
 
   table = []
-  for layout in args.layouts:
-    for rate in args.rates:
-      for label, _, _ in cases:
-        mine = [r for r in rows if (r["layout"], r["rate"], r["case"]) == (layout, rate, label)]
-        if not mine:  # not run: the bench was stopped first
-          continue
-        failed = [r["failed"] for r in mine if "failed" in r]
-        mine = [r for r in mine if "failed" not in r]
-        table.append({"layout": layout, "rate": rate, "case": label, "failed": failed,
-                      **{k: median([r[k] for r in mine]) for k in (
-                          "training_s", "samples_per_s", "final_accuracy", "time_to_target_s",
-                          "counted_bytes_per_iteration", "link_bytes_per_iteration",
-                          "send_latency_ms", "send_latency_p90_ms")}})
-  print("\n| case | layout | link | training s | samples/s | final accuracy | time to target s | "
+  for layout, rate, factor, (label, _, _) in itertools.product(args.layouts, args.rates,
+                                                               args.slow_factors, cases):
+    mine = [r for r in rows if (r["layout"], r["rate"], r["case"], r["slow_factor"])
+            == (layout, rate, label, factor)]
+    if not mine:  # not run: the bench was stopped first
+      continue
+    failed = [r["failed"] for r in mine if "failed" in r]
+    mine = [r for r in mine if "failed" not in r]
+    table.append({"layout": layout, "rate": rate, "case": label, "slow_factor": factor,
+                  "failed": failed,
+                  **{k: median([r[k] for r in mine]) for k in (
+                      "training_s", "samples_per_s", "final_accuracy", "time_to_target_s",
+                      "counted_bytes_per_iteration", "link_bytes_per_iteration",
+                      "send_latency_ms", "send_latency_p90_ms")}})
+  links = "".join(f", host {link.replace('=', ' at ')}" for link in args.link)
+  print(f"\nhost {args.slow_host} slow ({args.slow_mode} side) by the factor{links}")
+  print("\n| case | layout | link | slow factor | training s | samples/s | final accuracy | time to target s | "
         "counted kB/it | link kB/it | send latency ms (median / p90) |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   fmt = lambda v, spec: "-" if v is None else format(v, spec)
   for t in table:
     if t["failed"] and t["training_s"] is None:
-      print(f"| {t['case']} | {t['layout']} | {t['rate']} | failed: {t['failed'][0]} |")
+      print(f"| {t['case']} | {t['layout']} | {t['rate']} | {t['slow_factor']:g} | "
+            f"failed: {t['failed'][0]} |")
       continue
-    print(f"| {t['case']} | {t['layout']} | {t['rate']} | {fmt(t['training_s'], '.1f')} | "
+    print(f"| {t['case']} | {t['layout']} | {t['rate']} | {t['slow_factor']:g} | "
+          f"{fmt(t['training_s'], '.1f')} | "
           f"{fmt(t['samples_per_s'], ',.0f')} | {fmt(t['final_accuracy'], '.4f')} | "
           f"{fmt(t['time_to_target_s'], '.1f')} | "
           f"{fmt(t['counted_bytes_per_iteration'] and t['counted_bytes_per_iteration'] / 1e3, '.1f')} | "

@@ -9,6 +9,9 @@
 #   sudo bash scripts/cluster_drill.sh --hosts 2 --devices-per-host 4 --rate 20mbit -- \
 #       --config configs/digits.py --workdir runs/cluster --config.algorithm=layup
 #
+# With --host-rate K=RATE (repeatable), host k's link runs at RATE instead of --rate: uneven links
+# (host 1 at 5mbit, the others at 100mbit: --rate 100mbit --host-rate 1=5mbit).
+#
 # With --cpus-per-host C, host k's process may run only on the k-th C of the CPUs this script may
 # use (taskset), as a host's own cores would be, so that no two hosts share a core; without it
 # every process may run on any of them.
@@ -38,17 +41,22 @@ me=cluster_drill.sh
 # here as its own.
 trap 'failed_with=$?; [ "$BASHPID" != "$$" ] || echo "error: $me: line $LINENO: \"$BASH_COMMAND\" failed with status $failed_with" >&2' ERR
 cd "$(dirname "$0")/.."
-usage="usage: cluster_drill.sh --hosts N --devices-per-host D [--rate RATE] [--cpus-per-host C] [--stats FILE] -- <train arguments>"
+usage="usage: cluster_drill.sh --hosts N --devices-per-host D [--rate RATE] [--host-rate K=RATE ...] [--cpus-per-host C] [--stats FILE] -- <train arguments>"
 HOSTS="" PER_HOST="" RATE="" STATS="" CPUS_PER_HOST=""
+declare -A HOST_RATE=()
 while [ $# -gt 0 ]; do
   case $1 in
-    --hosts|--devices-per-host|--rate|--cpus-per-host|--stats)
+    --hosts|--devices-per-host|--rate|--host-rate|--cpus-per-host|--stats)
       [ $# -ge 2 ] || { echo "error: $1 takes a value; $usage" >&2; exit 2; } ;;
   esac
   case $1 in
     --hosts) HOSTS=$2; shift 2 ;;
     --devices-per-host) PER_HOST=$2; shift 2 ;;
     --rate) RATE=$2; shift 2 ;;
+    --host-rate)
+      [[ "$2" =~ ^[0-9]+=[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit)$ ]] \
+        || { echo "error: --host-rate takes K=RATE such as 1=5mbit, not $2" >&2; exit 2; }
+      HOST_RATE[${2%%=*}]=${2#*=}; shift 2 ;;
     --cpus-per-host) CPUS_PER_HOST=$2; shift 2 ;;
     --stats) STATS=$2; shift 2 ;;
     --) shift; break ;;
@@ -76,7 +84,10 @@ if [ -n "$CPUS_PER_HOST" ]; then
 fi
 [ "$(id -u)" = 0 ] || { echo "error: run as root: the drill creates network namespaces" >&2; exit 2; }
 command -v ip > /dev/null || { echo "error: needs iproute2 (apt-get install iproute2)" >&2; exit 2; }
-if [ -n "$RATE" ]; then
+for k in "${!HOST_RATE[@]}"; do
+  [ "$k" -lt "$HOSTS" ] || { echo "error: --host-rate $k=${HOST_RATE[$k]}: there are hosts 0 to $((HOSTS - 1))" >&2; exit 2; }
+done
+if [ -n "$RATE" ] || [ ${#HOST_RATE[@]} -gt 0 ]; then
   command -v tc > /dev/null || { echo "error: --rate needs tc (apt-get install iproute2)" >&2; exit 2; }
 fi
 
@@ -129,9 +140,11 @@ trap cleanup EXIT
 trap 'echo "error: $me: interrupted (SIGINT)" >&2; exit 130' INT
 trap 'echo "error: $me: terminated (SIGTERM)" >&2; exit 143' TERM
 
-shape() {  # shape [ip netns exec NS] DEVICE: tbf at RATE on DEVICE's egress
-  [ -z "$RATE" ] && return
-  "$@" root tbf rate "$RATE" burst 256kb latency 200ms
+rate_of() { echo "${HOST_RATE[$1]:-$RATE}"; }  # host k's link rate (none: unshaped)
+shape() {  # shape K [ip netns exec NS] DEVICE: tbf at host K's rate on DEVICE's egress
+  local rate; rate=$(rate_of "$1"); shift
+  [ -z "$rate" ] && return
+  "$@" root tbf rate "$rate" burst 256kb latency 200ms
 }
 ip link add "$BRIDGE" type bridge
 ip link set "$BRIDGE" up
@@ -146,8 +159,8 @@ for ((k = 0; k < HOSTS; k++)); do
   ip -n "$ns" addr add "${ADDR[$k]}/24" dev "layup_h$k"
   ip -n "$ns" link set "layup_h$k" up
   ip -n "$ns" link set lo up
-  shape ip netns exec "$ns" tc qdisc add dev "layup_h$k"  # what host k sends
-  shape tc qdisc add dev "layup_b$k"  # what host k receives
+  shape "$k" ip netns exec "$ns" tc qdisc add dev "layup_h$k"  # what host k sends
+  shape "$k" tc qdisc add dev "layup_b$k"  # what host k receives
 done
 
 # The caller's XLA flags but its device count, which each process gets its own of (none given,
@@ -189,8 +202,9 @@ counter() { ip netns exec "${NS[$1]}" cat "/sys/class/net/layup_h$1/statistics/$
 entries=()
 for ((k = 0; k < HOSTS; k++)); do
   sent=$(counter "$k" tx_bytes) received=$(counter "$k" rx_bytes)
-  echo "host $k (${ADDR[$k]}) sent $((sent / 1000)) kB, received $((received / 1000)) kB over its link${RATE:+ ($RATE)}"
-  entries+=("{\"host\": $k, \"address\": \"${ADDR[$k]}\", \"tx_bytes\": $sent, \"rx_bytes\": $received}")
+  rate=$(rate_of "$k")
+  echo "host $k (${ADDR[$k]}) sent $((sent / 1000)) kB, received $((received / 1000)) kB over its link${rate:+ ($rate)}"
+  entries+=("{\"host\": $k, \"address\": \"${ADDR[$k]}\", \"rate\": \"${rate:-unshaped}\", \"tx_bytes\": $sent, \"rx_bytes\": $received}")
 done
 if [ -n "$STATS" ]; then
   joined=$(IFS=,; echo "${entries[*]}")

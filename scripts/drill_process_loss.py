@@ -1,4 +1,4 @@
-"""A training run that loses a process, in three modes (the first argument).
+"""A training run that loses a process, in four modes (the first argument).
 
   kill-resume  SIGKILL a one-process run at random moments, resume it each time, and count the
                damage (checkpoints lost, accuracy against an uninterrupted run)
@@ -6,6 +6,8 @@
                same run uninterrupted
   vanish       a host that vanishes mid-run without closing its connections (power, a cable),
                across 3 "hosts" of scripts/cluster_drill.sh (as root)
+  churn        processes killed and started again on a schedule through a whole run (LayUp
+               rejoins the running run; DDP is run again from its last checkpoint)
 
     python scripts/drill_process_loss.py kill-resume --kills 10
     python scripts/drill_process_loss.py elastic --config configs/fashion_mnist.py \\
@@ -13,6 +15,8 @@
         --out bench_elastic.json
     sudo python scripts/drill_process_loss.py vanish [--steps 1500] [--at 0.4] [--rate 20mbit] \\
         [--slow 200kbit] [--workdir runs/vanish] [-- <more train arguments>]
+    python scripts/drill_process_loss.py churn --algorithm layup --mtbf-s 20 --num-steps 6000 \\
+        --set eval_every=60 --out churn.json
 
 `python scripts/drill_process_loss.py MODE --help` lists a mode's options.
 
@@ -68,6 +72,31 @@ lines of their output, whatever the run did:
         --kill-at 0.3 --kill-during-save 20 --no-uninterrupted --set num_steps=600 \\
         --batch-size 16 --timeout 900 --out kill_mid_checkpoint.json
 
+## churn
+
+Processes SIGKILLed through a whole run, the times between failures exponential with mean
+`--mtbf-s` (seeded by `--seed`), the victim drawn uniformly from the processes training at that
+moment (never the last one; the coordination service runs in a process of its own and is never
+the victim), each started again `--restart-delay-s` after its kill with its same command, as a
+cluster's restart policy would. No kill after `--last-kill-at` of the steps, so that the last
+restart has time to rejoin. LayUp (and GoSGD): the killed process is declared lost, the others
+train on, and its restart rejoins the running run. DDP (or any method that stops on a loss):
+the launcher's run stops, and its same command is run again after the delay, resuming from
+the last checkpoint (`--checkpoint-every`). Also runs the same command without failures
+(`--no-uninterrupted`: not). Reported (`--out`, and a table):
+
+- `kill_to_declared_s`: per kill, to the first line `process K lost at step S` (LayUp), or to
+  the launcher's exit (DDP); p50 and p95;
+- `restart_to_contributing_s`: per restart, to its line `process K rejoined the run at step S`
+  (LayUp), or to the first iteration of the resumed run (DDP); p50 and p95;
+- `samples_per_s_kept`: the run's samples over the drill's wall time, against the uninterrupted
+  run's (compilation and restarts included in both);
+- the final accuracy against the uninterrupted run's, the per-stage weight sums at the end, and
+  the devices in the final evaluation's average.
+
+    python scripts/drill_process_loss.py churn --algorithm ddp --mtbf-s 20 --num-steps 6000 \\
+        --set eval_every=60 --checkpoint-every 60 --out churn_ddp.json
+
 ## vanish (was scripts/vanish_drill.sh)
 
 LayUp on the digits across 3 "hosts" x 2 CPU devices (scripts/cluster_drill.sh, links shaped at
@@ -105,7 +134,7 @@ from layup_jax.launch import commands, coordinator_command, environment, free_po
 from layup_jax.measure import provenance
 from layup_jax.run.records import read_metrics
 
-MODES = ("kill-resume", "elastic", "vanish")
+MODES = ("kill-resume", "elastic", "vanish", "churn")
 print = functools.partial(print, flush=True)  # progress shows in logs at once
 
 # --- kill-resume --------------------------------------------------------------------------------
@@ -448,6 +477,241 @@ def main_elastic(argv: list[str]) -> None:
     json.dump({**provenance.stamp(), "args": vars(args), "runs": rows}, f, indent=1)
 
 
+# --- churn --------------------------------------------------------------------------------------
+
+
+def _quantiles(values: list[float]) -> dict:
+  if not values:
+    return {"p50": None, "p95": None, "n": 0}
+  return {"p50": round(float(np.percentile(values, 50)), 2),
+          "p95": round(float(np.percentile(values, 95)), 2), "n": len(values)}
+
+
+def _churn_train_args(args, workdir: pathlib.Path) -> list[str]:
+  devices = args.processes * args.devices_per_process
+  return ["--config", f"{args.config}:{args.algorithm}", "--workdir", str(workdir),
+          f"--config.seed={args.seed}", f"--config.num_devices={devices}",
+          f"--config.num_steps={args.num_steps}", "--config.progress_bar=False",
+          f"--config.checkpoint.every={args.checkpoint_every}",
+          f"--config.metrics.progress_every_s={args.progress_every_s}",
+          f"--config.distributed.heartbeat_timeout_s={args.heartbeat_timeout_s}",
+          *[f"--config.{o}" for o in args.set]]
+
+
+def _last_step(workdir: pathlib.Path, processes: int) -> int:
+  return max([0, *(r["step"] for k in range(processes) for r in progress(workdir, k)[-1:])])
+
+
+def _churn_result(workdir: pathlib.Path, started: float, ended: float) -> dict:
+  summary = json.loads((workdir / "summary.json").read_text())
+  final = [r for r in read_metrics(workdir) if r["split"] == "test"][-1]
+  return {"final_accuracy": summary["final_eval_accuracy"], "wall_s": round(ended - started, 1),
+          "weight_sum_min": summary.get("weight_sum_min"),
+          "weight_sum_max": summary.get("weight_sum_max"),
+          "final_devices_in_average": final.get("devices_in_average")}
+
+
+def churn_gossip(args, workdir: pathlib.Path, kills: bool) -> dict:
+  """LayUp's run: each process started as a cluster's starter would; kills and restarts."""
+  rng = np.random.default_rng(args.seed)
+  env = environment(args.devices_per_process)
+  port = free_port()
+  every = commands(args.processes, port, _churn_train_args(args, workdir),
+                   external_coordinator=True)
+  coordinator = subprocess.Popen(coordinator_command(args.processes, port), cwd=ROOT, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  started = time.time()
+  running = [popen(command, env) for command in every]  # process k's newest start
+  outputs = [[] for _ in running]  # process k's newest start's lines
+  every_output, every_process, readers = [*outputs], [*running], []
+  readers = [read_lines(p, out) for p, out in zip(running, outputs)]
+  training = set(range(args.processes))  # started and not (yet) killed, rejoined or original
+  events, pending = [], {}  # pending restarts: process -> wall time
+  next_kill = started + rng.exponential(args.mtbf_s)
+  try:
+    while not (workdir / "summary.json").exists():
+      now = time.time()
+      assert now - started < args.timeout, "the drill ran past --timeout"
+      assert coordinator.poll() is None, "the coordinator ended"
+      for k in list(training):
+        if running[k].poll() not in (None, 0):
+          sys.exit(f"process {k} ended with status {running[k].returncode}:\n"
+                   + "\n".join(line for _, line in outputs[k][-30:]))
+      for event in events:  # a restarted process trains once it says it rejoined
+        if event["rejoined_t"] is None and event["restart_t"] is not None:
+          rejoined = [t for t, line in outputs[event["process"]]
+                      if "rejoined the run at step" in line]
+          if rejoined:
+            event["rejoined_t"] = rejoined[0]
+            training.add(event["process"])
+      for k, at in list(pending.items()):
+        if now >= at:
+          del pending[k]
+          outputs[k] = []
+          running[k] = popen(every[k], env)
+          every_process.append(running[k])
+          every_output.append(outputs[k])
+          readers.append(read_lines(running[k], outputs[k]))
+          next(e for e in reversed(events) if e["process"] == k)["restart_t"] = time.time()
+      step = _last_step(workdir, args.processes)
+      if kills and now >= next_kill and step < args.last_kill_at * args.num_steps:
+        next_kill = now + rng.exponential(args.mtbf_s)
+        if len(training) >= 2:
+          k = int(rng.choice(sorted(training)))
+          running[k].send_signal(signal.SIGKILL)
+          training.discard(k)
+          events.append({"process": k, "kill_t": time.time(), "step": step,
+                         "restart_t": None, "rejoined_t": None})
+          pending[k] = time.time() + args.restart_delay_s
+          print(f"churn: killed process {k} at step {step} ({len(events)} kills)")
+      time.sleep(0.05)
+    for p in running:
+      try:
+        p.wait(timeout=120)
+      except subprocess.TimeoutExpired:
+        pass
+    ended = time.time()
+  finally:
+    for p in [*every_process, coordinator]:
+      p.kill()
+      p.wait()
+    for reader in readers:
+      reader.join(timeout=5)
+  said = sorted(item for out in every_output for item in out)
+  for event in events:
+    k = event["process"]
+    declared = next((t for t, line in said
+                     if t >= event["kill_t"] and f"process {k} lost at step" in line), None)
+    event["kill_to_declared_s"] = None if declared is None else round(declared - event["kill_t"], 2)
+    event["restart_to_contributing_s"] = (
+        None if event["rejoined_t"] is None or event["restart_t"] is None
+        else round(event["rejoined_t"] - event["restart_t"], 2))
+  result = _churn_result(workdir, started, ended)
+  result.update({"kills": len(events), "events": events,
+                 "statuses": [p.returncode for p in running],
+                 "not_admitted": sum(any("was not admitted back" in line for _, line in out)
+                                     for out in every_output)})
+  return result
+
+
+def churn_restarted(args, workdir: pathlib.Path, kills: bool) -> dict:
+  """DDP's run: the launcher's; on a kill the run stops, and the command runs again."""
+  rng = np.random.default_rng(args.seed)
+  launch = [sys.executable, "-m", "layup_jax.launch", "--processes", str(args.processes),
+            "--devices-per-process", str(args.devices_per_process), "--",
+            *_churn_train_args(args, workdir)]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  started, events = time.time(), []
+  next_kill = started + rng.exponential(args.mtbf_s)
+  while not (workdir / "summary.json").exists():
+    assert time.time() - started < args.timeout, "the drill ran past --timeout"
+    restart_t = time.time()
+    launcher = subprocess.Popen(launch, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    if events:
+      events[-1]["restart_t"] = restart_t
+    resumed_from = _last_step(workdir, args.processes) if events else None
+    try:
+      while launcher.poll() is None:
+        now = time.time()
+        if events and events[-1]["contributing_t"] is None:
+          rows = [r for k in range(args.processes) for r in progress(workdir, k)
+                  if r["t"] >= restart_t and r["step"] > 0]
+          if rows:
+            events[-1]["contributing_t"] = min(r["t"] for r in rows)
+        step = _last_step(workdir, args.processes)
+        recovering = bool(events) and events[-1]["contributing_t"] is None
+        if kills and now >= next_kill and step < args.last_kill_at * args.num_steps:
+          next_kill = now + rng.exponential(args.mtbf_s)
+          k = int(rng.integers(args.processes))
+          found = subprocess.run(["pgrep", "-f", f"workdir {workdir} .*process_id={k}$"],
+                                 capture_output=True, text=True).stdout.split()
+          if found and not recovering:  # as LayUp's: only a run that trains loses a process
+            os.kill(int(found[0]), signal.SIGKILL)
+            events.append({"process": k, "kill_t": time.time(), "step": step,
+                           "resumed_from": resumed_from, "stopped_t": None,
+                           "restart_t": None, "contributing_t": None})
+            print(f"churn: killed process {k} at step {step} ({len(events)} kills)")
+        time.sleep(0.05)
+    finally:
+      launcher.kill()
+      launcher.wait()
+    if events and events[-1]["stopped_t"] is None:
+      events[-1]["stopped_t"] = time.time()
+      time.sleep(max(0.0, events[-1]["kill_t"] + args.restart_delay_s - time.time()))
+    elif not (workdir / "summary.json").exists():
+      sys.exit(f"the run ended with status {launcher.returncode} and no kill")
+  ended = time.time()
+  for event in events:
+    event["kill_to_declared_s"] = round(event["stopped_t"] - event["kill_t"], 2)
+    event["restart_to_contributing_s"] = (
+        None if event["contributing_t"] is None or event["restart_t"] is None
+        else round(event["contributing_t"] - event["restart_t"], 2))
+  result = _churn_result(workdir, started, ended)
+  result.update({"kills": len(events), "events": events})
+  return result
+
+
+def main_churn(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(
+      prog="drill_process_loss.py churn",
+      description="Processes killed and started again on a schedule through a whole run.")
+  parser.add_argument("--config", default="configs/digits.py")
+  parser.add_argument("--algorithm", default="layup")
+  parser.add_argument("--processes", type=int, default=3)
+  parser.add_argument("--devices-per-process", type=int, default=2)
+  parser.add_argument("--num-steps", type=int, required=True)
+  parser.add_argument("--mtbf-s", type=float, required=True,
+                      help="mean seconds between failures (exponential)")
+  parser.add_argument("--restart-delay-s", type=float, default=2.0)
+  parser.add_argument("--last-kill-at", type=float, default=0.85, help="fraction of the steps")
+  parser.add_argument("--checkpoint-every", type=int, default=0,
+                      help="steps between checkpoints (DDP resumes from the last; 0: at the end)")
+  parser.add_argument("--seed", type=int, default=0, help="training seed and schedule seed")
+  parser.add_argument("--progress-every-s", type=float, default=0.5)
+  parser.add_argument("--heartbeat-timeout-s", type=int, default=5)
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  parser.add_argument("--no-uninterrupted", action="store_true")
+  parser.add_argument("--timeout", type=float, default=7200)
+  parser.add_argument("--out", default="churn.json")
+  args = parser.parse_args(argv)
+  if args.mtbf_s <= 0 or args.processes < 2:
+    parser.error("--mtbf-s must be > 0 and --processes >= 2")
+  gossip = args.algorithm in ("layup", "layup_paper", "gosgd")
+  drill = churn_gossip if gossip else churn_restarted
+  rows = {}
+  for kills in (False, True)[args.no_uninterrupted:]:
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="churn_"))
+    rows["churn" if kills else "uninterrupted"] = drill(args, workdir, kills)
+    print(json.dumps({k: v for k, v in rows["churn" if kills else "uninterrupted"].items()
+                      if k != "events"}))
+    shutil.rmtree(workdir, ignore_errors=True)
+  churned = rows["churn"]
+  declared = [e["kill_to_declared_s"] for e in churned["events"]
+              if e["kill_to_declared_s"] is not None]
+  contributing = [e["restart_to_contributing_s"] for e in churned["events"]
+                  if e["restart_to_contributing_s"] is not None]
+  whole = rows.get("uninterrupted")
+  summary = {"kills": churned["kills"], "kill_to_declared_s": _quantiles(declared),
+             "restart_to_contributing_s": _quantiles(contributing),
+             "samples_per_s_kept": (None if whole is None
+                                    else round(whole["wall_s"] / churned["wall_s"], 3)),
+             "final_accuracy": churned["final_accuracy"],
+             "uninterrupted_accuracy": None if whole is None else whole["final_accuracy"],
+             "weight_sums": [churned["weight_sum_min"], churned["weight_sum_max"]],
+             "final_devices_in_average": churned["final_devices_in_average"]}
+  print("\n| algorithm | MTBF s | kills | kill to declared p50 / p95 s | restart to contributing "
+        "p50 / p95 s | samples/s kept | final accuracy (uninterrupted) | weight sums |")
+  print("|---|---|---|---|---|---|---|---|")
+  d, c = summary["kill_to_declared_s"], summary["restart_to_contributing_s"]
+  print(f"| {args.algorithm} | {args.mtbf_s:g} | {summary['kills']} | {d['p50']} / {d['p95']} | "
+        f"{c['p50']} / {c['p95']} | {summary['samples_per_s_kept']} | "
+        f"{summary['final_accuracy']:.4f} ({summary['uninterrupted_accuracy']}) | "
+        f"{summary['weight_sums']} |")
+  with open(args.out, "w") as f:
+    json.dump({**provenance.stamp(), "args": vars(args), "summary": summary, "runs": rows}, f,
+              indent=1)
+
 # --- vanish ---------------------------------------------------------------------------------------
 
 
@@ -540,7 +804,7 @@ def main(argv: list[str] | None = None) -> None:
           f"(got {argv[0] if argv else 'none'}); see --help", file=sys.stderr)
     sys.exit(2)
   {"kill-resume": main_kill_resume, "elastic": main_elastic,
-   "vanish": main_vanish}[argv[0]](argv[1:])
+   "vanish": main_vanish, "churn": main_churn}[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

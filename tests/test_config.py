@@ -19,6 +19,7 @@ from layup_jax.runtime.options import CONFIG_KEYS, RuntimeOptions
     ("layup.bn_policy", "skip", r"config.layup.bn_policy='skip'"),
     ("straggler.device", 8, r"config.straggler.device=8: must name one of the 8"),
     ("straggler.mode", "gpu", r"config.straggler.mode='gpu': must be one of \['host'"),
+    ("straggler.process", -2, r"config.straggler.process=-2: must be >= -1"),
     ("layup.push_sum", "exact", r"config.layup.push_sum='exact': must be one of \['per_stage'"),
     ("layup.fanout", 0, r"config.layup.fanout=0: must be >= 1"),
     ("distributed.heartbeat_timeout_s", 0,

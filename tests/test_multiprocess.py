@@ -716,74 +716,102 @@ def _records(work) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-def test_a_killed_layup_process_started_again_rejoins_and_trains_on(tmp_path):
+def test_layup_finishes_when_a_process_is_killed_and_restarted_twice(tmp_path):
   """3 processes x 2 devices, LayUp on the digits, each process's command started as the
-  launcher would start it: process 2 is SIGKILLed at ~20 % of the run, and its same command is
-  started again at ~30 % (as a cluster's restart policy would, later). It waits until its
-  earlier run is declared lost; meanwhile the others train on (weights renormalised over 4
-  devices); it builds and compiles, then rejoins at a consistent point (an evaluation's step,
-  or a checkpoint's), each of its devices taking a live device's replica with half its weight.
-  The run ends with status 0; every average after the rejoin holds 6 devices with weights
-  summing to 1 within 1e-9, the rejoined devices' iterations count, and the run reaches >= 0.95
-  on the digits; the checkpoints after the loss hold the survivors' 4 devices (the rejoined
+  launcher would start it: process 2 is SIGKILLed at ~15 % of the run and its same command
+  started again at ~25 % (as a cluster's restart policy would, later); once it has rejoined and
+  trained through an evaluation it is SIGKILLed again and started again a second time. Each
+  time it waits until its earlier run is declared lost; meanwhile the others train on (weights
+  renormalised over 4 devices); it builds and compiles, then rejoins at a consistent point (an
+  evaluation's step, or a checkpoint's), each of its devices taking a live device's replica
+  with half its weight. The run ends with status 0; every average while it is out holds 4
+  devices and every average after a rejoin 6, with weights summing to 1 within 1e-9; the final
+  consensus holds all 6; the rejoined devices' iterations count, and the run reaches >= 0.95 on
+  the digits; the checkpoints after the first loss hold the survivors' 4 devices (a rejoined
   process writes none).
 
-  The first three processes run at a lower CPU priority (`nice -n 10`): the restarted one
-  stands for a process on a host of its own. It reads its programs from the compilation cache
-  its first run wrote (`compat.write_compilation_cache_from_every_process`); killed and started
-  again early, it has the run's last 70 % (560 steps) to build and rejoin in (alone, 2026-12-02,
-  an empty cache at the start: it rejoined 120 steps after its start; docs/records/elastic.md).
+  The first three processes run at a lower CPU priority (`nice -n 10`): a restarted one stands
+  for a process on a host of its own. It reads its programs from the compilation cache its
+  first run wrote (`compat.write_compilation_cache_from_every_process`; alone, 2026-12-02, an
+  empty cache at the start: it rejoined 120 steps after its start; docs/records/elastic.md).
   (The launcher's own `--restart`:
   `test_the_launcher_starts_a_killed_process_again_while_process_0_runs`.)"""
-  steps, kill_at, restart_at = 800, 0.2, 0.3
-  settings = {"algorithm": "layup", "num_steps": steps, "eval_every": 60,
+  steps, every_eval, kill_at, restart_at = 1000, 50, 0.15, 0.25
+  settings = {"algorithm": "layup", "num_steps": steps, "eval_every": every_eval,
               "model.granularity": "per_block",  # 5 stage programs, not 8: CI's time
-              "checkpoint.every": 400, "progress_bar": False,
+              "checkpoint.every": 500, "progress_bar": False,
               "distributed.heartbeat_timeout_s": 5}
   work = tmp_path / "rejoin"
   every = commands(3, free_port(), _train_args_3x2(work, settings))
   env = environment(2)
-  logs = [tmp_path / f"process_{k}.log" for k in range(4)]
+  logs = [tmp_path / f"process_{k}.log" for k in range(5)]
 
   def start(k: int, log: pathlib.Path, nice: int = 0) -> subprocess.Popen:
     with log.open("w") as out:
       return subprocess.Popen(["nice", "-n", str(nice), *every[k]], cwd=ROOT, env=env,
                               stdout=out, stderr=subprocess.STDOUT)
 
+  def last_test_step() -> int:
+    return max(r["step"] for r in _records(work) if r["split"] == "test")
+
   processes = [start(k, logs[k], nice=10) for k in range(3)]
+  restarted_at = []
   try:
     _wait_for_test_record(work, int(kill_at * steps), processes[0])
     processes[2].kill()
     _wait_for_test_record(work, int(restart_at * steps), processes[0])
-    restarted_at = max(r["step"] for r in _records(work) if r["split"] == "test")
+    restarted_at.append(last_test_step())
     processes.append(start(2, logs[3]))
-    statuses = [p.wait(timeout=900) for p in (processes[0], processes[1], processes[3])]
+    _wait_for_line(logs[3], "rejoined the run at step", processes[3])
+    _wait_for_test_record(work, last_test_step() + every_eval, processes[0])
+    processes[3].kill()
+    _wait_for_line(logs[0], "process 2 lost at step", processes[0], count=2)
+    restarted_at.append(last_test_step())
+    processes.append(start(2, logs[4]))
+    statuses = [p.wait(timeout=900) for p in (processes[0], processes[1], processes[4])]
   finally:
     for p in processes:
       p.kill()
-  first, restarted = logs[0].read_text(), logs[3].read_text()
-  assert statuses == [0, 0, 0], _tail(first) + _tail(restarted)
-  lost = re.findall(r"process 2 lost at step (\d+); 4 devices train on", first)
-  rejoined = re.findall(r"process 2 rejoined the run at step (\d+)", restarted)
-  assert len(lost) == 1 and len(rejoined) == 1, _tail(first) + _tail(restarted)
-  lost_at, rejoined_at = int(lost[0]), int(rejoined[0])
-  # At a consistent point after the restart: an evaluation's or a checkpoint's step.
-  assert kill_at * steps <= lost_at < restart_at * steps <= restarted_at < rejoined_at < steps
-  assert rejoined_at % 60 == 0 or rejoined_at % 400 == 0
+  first, restarts = logs[0].read_text(), [logs[3].read_text(), logs[4].read_text()]
+  assert statuses == [0, 0, 0], _tail(first) + _tail(restarts[1])
+  lost = [int(s) for s in re.findall(r"process 2 lost at step (\d+); 4 devices train on", first)]
+  rejoined = [int(s) for log in restarts
+              for s in re.findall(r"process 2 rejoined the run at step (\d+)", log)]
+  assert len(lost) == 2 and len(rejoined) == 2, _tail(first) + "".join(map(_tail, restarts))
+  # In order, each rejoin at a consistent point after its restart: an evaluation's step or a
+  # checkpoint's.
+  assert kill_at * steps <= lost[0] < restart_at * steps <= restarted_at[0] < rejoined[0]
+  assert rejoined[0] < lost[1] < rejoined[1] < steps and restarted_at[1] < rejoined[1]
+  assert all(step % every_eval == 0 or step % 500 == 0 for step in rejoined)
   tests = {r["step"]: r for r in read_metrics(work) if r["split"] == "test"}
-  between = [r for step, r in tests.items() if lost_at < step < rejoined_at]
-  assert between and all(r["devices_in_average"] == 4 for r in between)
-  after = [r for step, r in tests.items() if step >= rejoined_at]
-  assert after and all(r["devices_in_average"] == 6 for r in after)
-  for record in [*between, *after]:
+  out = [r for step, r in tests.items()
+         if lost[0] < step < rejoined[0] or lost[1] < step < rejoined[1]]
+  back = [r for step, r in tests.items()
+          if rejoined[0] <= step <= lost[1] or step >= rejoined[1]]
+  assert out and all(r["devices_in_average"] == 4 for r in out)
+  assert back and all(r["devices_in_average"] == 6 for r in back)
+  for record in [*out, *back]:
     assert record["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
     assert record["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
+  assert tests[steps]["devices_in_average"] == 6  # every device in the final consensus
   summary = json.loads((work / "summary.json").read_text())
   assert summary["final_eval_accuracy"] >= 0.95
+  assert summary["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
+  assert summary["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
   assert min(summary["device_samples_per_s"][4:]) > 0  # process 2's devices trained again
   # Checkpoints after the loss are the survivors': the rejoined process writes none.
   final = json.loads((work / "checkpoints" / str(steps) / "meta" / "metadata").read_text())
   assert (final["runtime"]["num_devices"], final["runtime"]["processes"]) == (4, [0, 1])
+
+
+def _wait_for_line(log: pathlib.Path, words: str, process: subprocess.Popen,
+                   count: int = 1) -> None:
+  """Until `log` holds `count` lines with `words`; fails if `process` ends first or after 600 s."""
+  deadline = time.monotonic() + 600
+  while log.read_text().count(words) < count:
+    assert process.poll() is None, _tail(log.read_text())
+    assert time.monotonic() < deadline, f"no {words!r} in {log.name}"
+    time.sleep(0.2)
 
 
 def _wait_for_test_record(work, step: int, process: subprocess.Popen) -> None:

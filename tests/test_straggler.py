@@ -142,3 +142,14 @@ def test_a_clock_without_delay_never_waits_for_the_device(device):
     seconds = _cycle_seconds(clock, device, cycles=4)
     assert device.waits == 0 and clock.mean() == 0.0
     assert seconds == pytest.approx([HOST] * 3)  # the host's own pace, the device behind it
+
+
+def test_a_straggling_process_slows_each_of_its_devices_and_no_other_processes():
+  """`straggler.process`: a slow host across processes is every device of one process; the
+  other processes' devices keep their pace (`straggler.device` names one device instead)."""
+  from layup_jax.runtime.options import RuntimeOptions
+  slow_host = RuntimeOptions.of(straggler_process=1, straggler_delay_iters=1.0)
+  assert [slow_host.delay_of(i, process_index=1) for i in range(4)] == [1.0] * 4
+  assert [slow_host.delay_of(i, process_index=p) for p in (0, 2) for i in range(4)] == [0.0] * 8
+  one_device = RuntimeOptions.of(straggler_device=2, straggler_delay_iters=3.0)
+  assert [one_device.delay_of(i) for i in range(4)] == [0.0, 0.0, 3.0, 0.0]

@@ -249,9 +249,15 @@ def build(config: ml_collections.ConfigDict, model: StagedModel,
           dataset: Dataset | TrainStreams) -> DDPRuntime:
   params, state = init_model(config, model, dataset.example_batch)
   delay = config.straggler.delay_iters if config.straggler.device >= 0 else 0.0
+  straggler_device = max(config.straggler.device, 0)
+  if config.straggler.process >= 0:  # this process's step waits: every process's waits with it
+    slow = config.straggler.process == jax.process_index()
+    delay = config.straggler.delay_iters if slow else 0.0
+    straggler_device = next(i for i, d in enumerate(devices)
+                            if d.process_index == jax.process_index())
   return DDPRuntime(model, tx, devices, dataset.train, params, state, dataset.example_batch,
                     seed=config.seed, straggler_delay_iters=delay,
                     straggler_mode=config.straggler.mode,
-                    straggler_device=max(config.straggler.device, 0),
+                    straggler_device=straggler_device,
                     nonfinite_policy=config.faults.nonfinite,
                     batch_norm=config.baselines.ddp_batch_norm)

@@ -217,7 +217,11 @@ def check_supported(config: ml_collections.ConfigDict, gossip: bool) -> None:
     raise ConfigError(f"config.num_devices={config.num_devices}: a multi-process run trains on "
                       f"every process's devices, {len(jax.devices())} here")
   if config.straggler.device >= 0:
-    raise ConfigError("config.straggler.device: no straggler injection across processes yet")
+    raise ConfigError("config.straggler.device: across processes a straggler is a whole "
+                      "process (config.straggler.process)")
+  if config.straggler.process >= jax.process_count():
+    raise ConfigError(f"config.straggler.process={config.straggler.process}: the run has "
+                      f"{jax.process_count()} processes")
   if gossip and config.layup.push_sum != "per_stage":
     raise ConfigError("config.layup.push_sum: across processes only per_stage push-sum runs "
                       "(a per-model weight would have to follow the last stage to the peer)")

@@ -454,6 +454,7 @@ class Session:
         "resumed_from_step": self.start_step,
         "stopped_at_target": self.stopped_at_target,
         "straggler_device": config.straggler.device,
+        "straggler_process": config.straggler.process,
         "straggler_delay_iters": config.straggler.delay_iters,
         "code_version": code_version,
     }

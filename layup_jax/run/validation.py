@@ -127,6 +127,7 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
       ("num_epochs", 0), ("eval_every", 0),
       ("precise_bn_batches", 0),
       ("tuning.max_dispatch_ahead", 1), ("straggler.delay_iters", 0), ("straggler.device", -1),
+      ("straggler.process", -1),
       ("model.num_classes", 1), ("model.vocab_size", 1), ("model.vocab_multiple", 0), ("model.max_len", 1),
       ("model.hidden_size", 1), ("model.num_layers", 1), ("model.dropout", 0),
       ("checkpoint.every", 0), ("checkpoint.keep", 1), ("layup.max_update_scale", 1), ("metrics.target_accuracy", 0),
@@ -178,6 +179,8 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
            "must be > 0 when num_epochs is 0")
   _require(config.straggler.device < num_devices, "straggler.device", config.straggler.device,
            f"must name one of the {num_devices} training devices (or -1 for none)")
+  _require(config.straggler.process < 0 or config.straggler.device < 0, "straggler.process",
+           config.straggler.process, "and straggler.device cannot both be set (-1: none)")
   for key in ("data.seq_len", "data.image_size", "data.eval_resize", "data.prefetch",
               "data.eval_batch_size"):
     _at_least(config, key, 1)

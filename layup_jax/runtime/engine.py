@@ -105,7 +105,8 @@ class AsyncRuntime:
       self.transport.compress_sends(options.compression)
     self.fuses_local_step = self.exchange.fuses_local_step and options.fuse_local_step
     self.store.defer_merges = self.fuses_local_step
-    self.clocks = [IterationClock(options.delay_of(i), options.straggler_mode, device)
+    self.clocks = [IterationClock(options.delay_of(i, jax.process_index()),
+                                  options.straggler_mode, device)
                    for i, device in enumerate(devices)]
     self.stats = RunStats(
         self.num_devices, self.num_stages, self.store.snapshot, lambda: self.store.weights.values,

@@ -20,6 +20,7 @@ CONFIG_KEYS = {
     "gossip": "layup.gossip", "fanout": "layup.fanout", "local_update": "layup.local_update",
     "max_update_scale": "layup.max_update_scale", "nonfinite": "faults.nonfinite",
     "latency_every": "metrics.latency_every", "straggler_device": "straggler.device",
+    "straggler_process": "straggler.process",
     "straggler_delay_iters": "straggler.delay_iters", "straggler_mode": "straggler.mode",
     "transfer_host": "distributed.transfer_host",
     "remote_peer_probability": "distributed.remote_peer_probability",
@@ -58,6 +59,7 @@ class RuntimeOptions:
   nonfinite: str
   latency_every: int
   straggler_device: int
+  straggler_process: int
   straggler_delay_iters: float
   straggler_mode: str
   transfer_host: str
@@ -84,7 +86,9 @@ class RuntimeOptions:
   def replace(self, **changes) -> "RuntimeOptions":
     return dataclasses.replace(self, **changes)
 
-  def delay_of(self, device_index: int) -> float:
-    """The straggler delay (in iterations) of one device: 0 for every device but the
-    straggler."""
+  def delay_of(self, device_index: int, process_index: int = 0) -> float:
+    """The straggler delay (in iterations) of this process's `device_index`-th device: 0 for
+    every device but the straggler, or but the straggling process's (`straggler_process`)."""
+    if self.straggler_process >= 0:
+      return self.straggler_delay_iters if process_index == self.straggler_process else 0.0
     return self.straggler_delay_iters if device_index == self.straggler_device else 0.0
