@@ -285,6 +285,11 @@ def get_config() -> ml_collections.ConfigDict:
   # iterations, the schedule stretched with it, until a rejoin): the run ends on its planned
   # samples, later; False, they train their own steps only: it ends on time, on fewer samples.
   config.distributed.survivors_train_lost_share = True
+  # A gossip run across processes shares each interval between evaluations and checkpoints by
+  # the processes' measured speeds (layup_jax/runtime/pace.py): a slow host trains fewer of the
+  # run's samples and a fast one more, so that neither waits for the other at the next
+  # evaluation; False: every device trains one iteration per step, the fast waiting there.
+  config.distributed.share_by_speed = True
 
   # The runtime's host-side knobs (docs/guide/performance.md). Each default serves every
   # workload measured; the experiment configs set none.

@@ -680,7 +680,9 @@ def test_layup_trains_on_when_a_process_other_than_0_is_killed(tmp_path):
   resumes a checkpoint of another device count as tests/test_checkpoint.py shows.)"""
   settings = {"algorithm": "layup", "num_steps": 150, "eval_every": 30, "progress_bar": False,
               "model.granularity": "per_block",  # 5 stage programs, not 8: CI's time
-              "distributed.heartbeat_timeout_s": 5}
+              "distributed.heartbeat_timeout_s": 5,
+              # the loss's share alone moves the survivors' iterations, for the count below
+              "distributed.share_by_speed": False}
   work = tmp_path / "elastic"
   status, output = _kill_process_2_of_3x2(work, settings, "--keep-going", at_step=60)
   assert status == 0, _tail(output)
@@ -832,7 +834,9 @@ def test_layup_trains_on_when_process_0_is_killed(tmp_path):
   checkpoint holds their 4 devices."""
   settings = {"algorithm": "layup", "num_steps": 150, "eval_every": 30, "progress_bar": False,
               "model.granularity": "per_block",  # 5 stage programs, not 8: CI's time
-              "distributed.heartbeat_timeout_s": 5}
+              "distributed.heartbeat_timeout_s": 5,
+              # the loss's share alone moves the survivors' iterations, for the count below
+              "distributed.share_by_speed": False}
   work = tmp_path / "elastic"
   status, output = _kill_process_2_of_3x2(work, settings, "--keep-going", at_step=60, victim=0)
   assert status == 0, _tail(output)
@@ -868,7 +872,10 @@ def test_layup_trains_on_when_process_0_is_killed_and_started_again(tmp_path):
   steps, kill_at, restart_at = 1500, 0.4, 0.6
   settings = {"algorithm": "layup", "num_steps": steps, "eval_every": 50, "progress_bar": False,
               "model.granularity": "per_block",  # 5 stage programs, not 8: CI's time
-              "checkpoint.every": 500, "distributed.heartbeat_timeout_s": 5}
+              "checkpoint.every": 500, "distributed.heartbeat_timeout_s": 5,
+              # one iteration per step once all are back (the restarted process is not niced:
+              # by speed it would take more), for the count at the end
+              "distributed.share_by_speed": False}
   work = tmp_path / "rejoin"
   port = free_port()
   every = commands(3, port, _train_args_3x2(work, settings), external_coordinator=True)

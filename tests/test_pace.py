@@ -1,12 +1,13 @@
 """The survivors of a lost process train its share of the samples (layup_jax/runtime/pace.py):
 each step of the run then costs them devices / live devices iterations, the run's count (hooks,
-schedule, records) stays in its own steps, and a rejoin brings the rate back."""
+schedule, records) stays in its own steps, and a rejoin brings the rate back. Across uneven
+hosts the processes share the steps by their speed, the run's samples as planned."""
 
 from fractions import Fraction
 
 import pytest
 
-from layup_jax.runtime.pace import Pace
+from layup_jax.runtime.pace import SPEED_BOUND, Pace, rate_by_speed
 from tests.helpers import make_layup_runtime
 
 
@@ -58,3 +59,52 @@ def test_the_runtime_trains_the_stretched_steps_and_counts_the_runs():
     assert sum(runtime.stats.iterations_per_device()) == runtime.own_iterations() == 40 + 48
   finally:
     runtime.close()
+
+
+def _report(process, speed):
+  return {"process": process, "speed": speed}
+
+
+def test_uneven_hosts_share_the_steps_by_their_speed_and_the_runs_samples_stay_planned():
+  """A host twice as fast takes twice the iterations per device, a host half as fast half as
+  many; over the live processes the shares add up to the run's planned iterations."""
+  devices = {0: 4, 1: 4}
+  reports = [_report(0, 20.0), _report(1, 10.0)]
+  rates = {k: rate_by_speed(reports, devices, k, planned_devices=8) for k in devices}
+  assert rates == {0: Fraction(4, 3), 1: Fraction(2, 3)}
+  assert sum(rates[k] * n for k, n in devices.items()) == 8
+  # a step's iterations per process follow: 4 x 4/3 + 4 x 2/3 = 8 per step
+  pace = Pace(per_round=4)
+  pace.set_rate(rates[1], started=40, nominal=40)
+  assert pace.actual(40 + 4 * 30) == 40 + 4 * 20  # 30 steps: 20 rounds of the slow host's
+  assert pace.nominal(40 + 4 * 20) // 4 == 10 + 30
+
+
+def test_nearly_equal_speeds_keep_one_iteration_per_step_and_a_loss_share_stays_the_survivors():
+  devices = {0: 2, 1: 2, 2: 2}
+  near = [_report(0, 10.0), _report(1, 10.5), _report(2, 10.9)]
+  assert {rate_by_speed(near, devices, k, 6) for k in devices} == {Fraction(1)}
+  # process 2 lost: the survivors share its devices' part (6 planned over 4 live devices)
+  survivors = {0: 2, 1: 2}
+  assert {rate_by_speed(near[:2], survivors, k, 6) for k in survivors} == {Fraction(3, 2)}
+
+
+@pytest.mark.parametrize("bad", [
+    None, "fast", [1], {"process": 1}, {"process": 1, "speed": float("nan")},
+    {"process": 1, "speed": -3.0}, {"process": 1, "speed": True}, {"process": "1", "speed": 9.0},
+    {"process": 7, "speed": 9.0}])
+def test_a_malformed_speed_report_moves_no_share(bad):
+  """What another process reports is checked: a report of the wrong form, or naming a process
+  that is not live, counts as none (that process at the median speed)."""
+  devices = {0: 2, 1: 2}
+  assert rate_by_speed([_report(0, 10.0), bad], devices, 0, 4) == 1
+  assert rate_by_speed([_report(0, 10.0), bad], devices, 1, 4) is None  # 1 measured nothing
+
+
+def test_a_speed_report_far_from_the_others_is_bounded():
+  """A process claiming 1000x the others' speed takes at most `SPEED_BOUND` times theirs."""
+  devices = {0: 2, 1: 2, 2: 2}
+  reports = [_report(0, 10.0), _report(1, 10.0), _report(2, 10_000.0)]
+  bound = Fraction(SPEED_BOUND)
+  assert rate_by_speed(reports, devices, 2, 6) == 6 * bound / (2 * (2 + bound))
+  assert rate_by_speed(reports, devices, 0, 6) == Fraction(6) / (2 * (2 + bound))

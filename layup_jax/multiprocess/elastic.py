@@ -71,6 +71,11 @@ class Elastic:
     rt.pace.set_rate(Fraction(rt.total_devices, self._live_devices()), rt.iterations_started(),
                      None if step is None else step * rt.num_devices)
 
+  def live_devices_by_process(self) -> dict[int, int]:
+    """Each live process's (not declared lost) device count."""
+    live = set(range(jax.process_count())) - set(membership.members.lost)
+    return {k: len(self.devices_of({k})) for k in sorted(live)}
+
   def _renormalise(self) -> None:
     """Once a process is lost, the survivors divide each stage's push-sum weights by the
     stage's total over them, so that they sum to 1 again and the push-sum average is the

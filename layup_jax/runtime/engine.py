@@ -35,7 +35,7 @@ from layup_jax.multiprocess.elastic import Elastic
 from layup_jax.runtime import costs, transfer
 from layup_jax.runtime.exchange import Exchange, Links
 from layup_jax.runtime.options import RuntimeOptions
-from layup_jax.runtime.pace import Pace
+from layup_jax.runtime.pace import Pace, rate_by_speed
 from layup_jax.runtime.replicas import ReplicaStore
 from layup_jax.runtime.scheduler import (
   Budget,
@@ -363,6 +363,7 @@ class AsyncRuntime:
     # `iterations` is the run's count (steps x this process's devices); this process's own
     # is `pace.actual` of it, and grows while the wait lasts if a process is lost meanwhile.
     target, held = self.pace.actual(iterations), False
+    began, finished_before = time.monotonic(), self._budget.finished
     self._budget.grant(target)
     while not self._budget.wait_finished(target, timeout=0.1):
       self.raise_if_failed()
@@ -374,13 +375,18 @@ class AsyncRuntime:
         target = stretched
         self._budget.grant(target)
     self.raise_if_failed()
+    # This process's speed over the interval: its iterations per second per device until it
+    # had done its share (not the wait for the others' that follows).
+    own, seconds = self._budget.finished - finished_before, time.monotonic() - began
+    speed = own / seconds / self.num_devices if own >= 2 * self.num_devices else None
     for i in range(self.num_devices):  # every task is idle: read the last flags
       self._checks.read(i)
+    reports = []
     if self.across_processes:
       # Every process idle and every send to another process merged there: then nothing is
       # in flight anywhere, and the push-sum sums are exact again.
       self.transport.quiesce()
-      gathers.all_gather_json(None)
+      reports = gathers.all_gather_json({"process": jax.process_index(), "speed": speed})
       self.raise_if_failed()
     while not self._timer.idle():  # every landing handed over is recorded
       self.raise_if_failed()
@@ -391,7 +397,23 @@ class AsyncRuntime:
     self.store.settle()
     if self.across_processes and membership.members.elastic:
       self.elastic.at_consistent_point(iterations // self.num_devices)
+    if (self.across_processes and self.options.share_by_speed
+        and not self.exchange.equal_shares):  # (a periodic average needs equal shares)
+      self._share_by_speed(reports, iterations)
     on_progress(self.pace.nominal(self._budget.finished))
+
+  def _share_by_speed(self, reports: list, iterations: int) -> None:
+    """At a consistent point (the run's count `iterations` of this process's), with
+    `distributed.share_by_speed`: this process's rate until the next one, its share of the
+    run's iterations in proportion to its devices' speed in the interval just ended, from every
+    live process's report (`reports`, as gathered: checked and bounded, `rate_by_speed`); a
+    lost process's share goes to the survivors as without it (`Elastic._pace`)."""
+    devices = self.elastic.live_devices_by_process()
+    planned = (self.total_devices if self.options.survivors_train_lost_share
+               else sum(devices.values()))
+    rate = rate_by_speed(reports, devices, jax.process_index(), planned)
+    if rate is not None:
+      self.pace.set_rate(rate, self.iterations_started(), iterations)
 
   def iterations_started(self) -> int:
     """This process's iterations begun (its own count, not the run's)."""

@@ -27,6 +27,7 @@ CONFIG_KEYS = {
     "max_remote_backlog": "distributed.max_remote_backlog",
     "compression": "distributed.compression",
     "survivors_train_lost_share": "distributed.survivors_train_lost_share",
+    "share_by_speed": "distributed.share_by_speed",
     **{knob: f"tuning.{knob}" for knob in (
         "max_dispatch_ahead", "max_sends_in_flight", "pack_stages", "fuse_local_step",
         "updater_thread", "pin_host_threads", "idle_poll_s", "remat", "chain_forwards")},
@@ -67,6 +68,7 @@ class RuntimeOptions:
   max_remote_backlog: int
   compression: str
   survivors_train_lost_share: bool
+  share_by_speed: bool
 
   @classmethod
   def of(cls, **changes) -> "RuntimeOptions":

@@ -13,16 +13,59 @@ iterations, its schedule stretched over them, until a rejoin brings the rate bac
 The run's count of iterations ("nominal": the steps reached times this process's devices) and
 this process's own ("actual") are then related piecewise linearly; `Pace` holds that relation.
 Without a loss it is the identity.
+
+Across uneven hosts a gossip run shares each interval between consistent points by speed
+(`distributed.share_by_speed`, `rate_by_speed`): a process whose devices ran twice as fast in the
+last interval takes twice the iterations per device in the next, so that every process reaches
+the next evaluation or checkpoint at about the same time and a fast host does not wait there for
+a slow one. The run's samples stay as planned; only who trains them moves. Then a rate may be
+below 1.
 """
 
 import math
+import statistics
 from fractions import Fraction
+
+# Speeds within this share of each other count as equal (a measured rate's noise moves nothing).
+SPEED_DEAD_BAND = 0.1
+# A process's reported speed is bounded to this factor of the median's either side: the reports
+# come from other processes and are not trusted to move the shares further.
+SPEED_BOUND = 8.0
+
+
+def rate_by_speed(reports: list, devices: dict[int, int], me: int,
+                  planned_devices: int) -> Fraction | None:
+  """This process's rate (actual iterations per nominal one) for the next interval: the run's
+  `planned_devices` iterations per step, shared among the live processes (`devices`: each one's
+  device count) in proportion to each one's devices times their speed (iterations per second per
+  device in the last interval), from `reports` (`{"process": k, "speed": s}`, one per process,
+  as gathered). A report that is not of that form, or names a process not live, is ignored;
+  a live process without one counts at the median speed; speeds within `SPEED_DEAD_BAND` of each
+  other count as equal. None (keep the present rate) when this process measured nothing."""
+  speeds = {}
+  for report in reports:
+    if not isinstance(report, dict):
+      continue
+    process, speed = report.get("process"), report.get("speed")
+    if (type(process) is int and process in devices and type(speed) in (int, float)
+        and math.isfinite(speed) and speed > 0):
+      speeds[process] = float(speed)
+  if me not in speeds:
+    return None
+  median = statistics.median(speeds.values())
+  speeds = {k: min(max(speeds.get(k, median), median / SPEED_BOUND), median * SPEED_BOUND)
+            for k in devices}
+  if max(speeds.values()) <= (1 + SPEED_DEAD_BAND) * min(speeds.values()):
+    speeds = dict.fromkeys(speeds, 1.0)
+  total = sum(speeds[k] * n for k, n in devices.items())
+  return Fraction(planned_devices * speeds[me] / total).limit_denominator(64)
 
 
 class Pace:
   """A piecewise-linear map between the run's (nominal) iteration count and this process's
   actual one, each piece starting at a whole round (one iteration of each of this process's
-  devices) and costing `rate` actual iterations per nominal one (rate >= 1)."""
+  devices) and costing `rate` actual iterations per nominal one (above 1 where this process
+  trains a lost one's share or is faster than the others, below where it is slower)."""
 
   def __init__(self, per_round: int, nominal: int = 0):
     self.per_round = per_round
