@@ -276,6 +276,29 @@ def test_local_sgd_across_two_processes_averages_as_one_process(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_slow_process_trains_fewer_of_the_runs_samples_and_the_fast_one_more(tmp_path):
+  """Uneven hosts: process 1's devices at 4x their iteration time (`straggler.process`, host
+  side). With `distributed.share_by_speed` (the default) the processes share each interval
+  between evaluations by their measured speed: from the first evaluation on, process 0's
+  devices train more iterations than process 1's, the run's total stays as planned (8 x 120,
+  up to a whole round per process and interval), the push-sum weights sum to 1 and the run
+  learns."""
+  steps = 120
+  settings = {"algorithm": "layup", "num_steps": steps, "eval_every": 30,
+              "checkpoint.enabled": False, "progress_bar": False,
+              "straggler.process": 1, "straggler.delay_iters": 3}
+  work = tmp_path / "uneven"
+  _launch_to_the_end(work, settings)
+  summary = json.loads((work / "summary.json").read_text())
+  fast, slow = sum(summary["device_iterations"][:4]), sum(summary["device_iterations"][4:])
+  assert fast > 1.3 * slow, summary["device_iterations"]
+  assert 8 * steps <= fast + slow <= 8 * steps + 2 * 4 * (steps // 30), (fast, slow)
+  assert summary["weight_sum_min"] == pytest.approx(1.0, abs=1e-9)
+  assert summary["weight_sum_max"] == pytest.approx(1.0, abs=1e-9)
+  assert summary["final_eval_accuracy"] >= 0.95
+
+
+@pytest.mark.multiprocess
 def test_a_slowmo_checkpoint_across_processes_resumes_in_two_processes_or_one(tmp_path):
   """Every process's devices, mid-period (step 10, periods of 4), and the replicated anchor
   and slow momentum go into one checkpoint: resumed from it in 2 processes x 4 devices, or in

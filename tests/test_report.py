@@ -385,7 +385,7 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
   bench.run_drill = drill
   args = argparse.Namespace(config="configs/digits.py", num_steps=10, eval_every=0,
                             set=["distributed.compression=int8"], cache=str(tmp_path / "cc"),
-                            cpus_per_host=1)
+                            cpus_per_host=1, link=["1=5mbit"], slow_host=1, slow_mode="device")
   row = bench.run("2x4", "20mbit", "layup", ["distributed.remote_peer_probability=0.5"], 3,
                   args, str(tmp_path))
   command = commands[-1]
@@ -406,6 +406,15 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
       {"step": 10, "time_s": 4.0, "loss": 0.3, "accuracy": 0.9,
        "running_statistics_accuracy": 0.8, "consensus_distance": 1e-4}]
   assert row["final_loss"] == 0.3
+  # An uneven host and an uneven link: host 1's devices at 2x their iteration time (device
+  # side), host 1's link at 5 Mbit/s, the others' at --rate.
+  row = bench.run("2x4", "20mbit", "layup", [], 3, args, str(tmp_path), factor=2.0)
+  command = commands[-1]
+  assert command[command.index("--host-rate") + 1] == "1=5mbit"
+  assert command.index("--host-rate") < command.index("--")
+  assert command[-3:] == ["--config.straggler.process=1", "--config.straggler.delay_iters=1",
+                          "--config.straggler.mode=device"]
+  assert row["slow_factor"] == 2.0
   bench.run_drill = lambda command: drill(command, status=1)
   args.cpus_per_host = 0  # every process on every CPU: the drill's default
   row = bench.run("2x4", "unshaped", "ddp", [], 0, args, str(tmp_path))
