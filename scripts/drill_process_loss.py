@@ -77,7 +77,8 @@ lines of their output, whatever the run did:
 Processes SIGKILLed through a whole run, the times between failures exponential with mean
 `--mtbf-s` (seeded by `--seed`), the victim drawn uniformly from the processes training at that
 moment (never the last one; the coordination service runs in a process of its own and is never
-the victim), each started again `--restart-delay-s` after its kill with its same command, as a
+the victim), from the run's first trained step on (a process lost while the run is set up stops
+it: docs/guide/elastic.md), each started again `--restart-delay-s` after its kill with its same command, as a
 cluster's restart policy would. No kill after `--last-kill-at` of the steps, so that the last
 restart has time to rejoin. LayUp (and GoSGD): the killed process is declared lost, the others
 train on, and its restart rejoins the running run. DDP (or any method that stops on a loss):
@@ -527,7 +528,7 @@ def churn_gossip(args, workdir: pathlib.Path, kills: bool) -> dict:
   readers = [read_lines(p, out) for p, out in zip(running, outputs)]
   training = set(range(args.processes))  # started and not (yet) killed, rejoined or original
   events, pending = [], {}  # pending restarts: process -> wall time
-  next_kill = started + rng.exponential(args.mtbf_s)
+  next_kill = None  # the schedule starts once the run trains
   try:
     while not (workdir / "summary.json").exists():
       now = time.time()
@@ -537,6 +538,12 @@ def churn_gossip(args, workdir: pathlib.Path, kills: bool) -> dict:
         if running[k].poll() not in (None, 0):
           sys.exit(f"process {k} ended with status {running[k].returncode}:\n"
                    + "\n".join(line for _, line in outputs[k][-30:]))
+      if not pending and all(p.poll() is not None for p in running):
+        time.sleep(1)  # the summary, if the run ended
+        if not (workdir / "summary.json").exists():
+          sys.exit("every process ended without the run's summary:\n" + "\n".join(
+              f"process {k} (status {p.returncode}):\n" + "\n".join(
+                  line for _, line in outputs[k][-15:]) for k, p in enumerate(running)))
       for event in events:  # a restarted process trains once it says it rejoined
         if event["rejoined_t"] is None and event["restart_t"] is not None:
           rejoined = [t for t, line in outputs[event["process"]]
@@ -554,7 +561,10 @@ def churn_gossip(args, workdir: pathlib.Path, kills: bool) -> dict:
           readers.append(read_lines(running[k], outputs[k]))
           next(e for e in reversed(events) if e["process"] == k)["restart_t"] = time.time()
       step = _last_step(workdir, args.processes)
-      if kills and now >= next_kill and step < args.last_kill_at * args.num_steps:
+      if next_kill is None and step > 0:
+        next_kill = now + rng.exponential(args.mtbf_s)
+      if (kills and next_kill is not None and now >= next_kill
+          and step < args.last_kill_at * args.num_steps):
         next_kill = now + rng.exponential(args.mtbf_s)
         if len(training) >= 2:
           k = int(rng.choice(sorted(training)))
@@ -602,7 +612,7 @@ def churn_restarted(args, workdir: pathlib.Path, kills: bool) -> dict:
             *_churn_train_args(args, workdir)]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   started, events = time.time(), []
-  next_kill = started + rng.exponential(args.mtbf_s)
+  next_kill = None  # the schedule starts once the run trains
   while not (workdir / "summary.json").exists():
     assert time.time() - started < args.timeout, "the drill ran past --timeout"
     restart_t = time.time()
@@ -620,8 +630,11 @@ def churn_restarted(args, workdir: pathlib.Path, kills: bool) -> dict:
           if rows:
             events[-1]["contributing_t"] = min(r["t"] for r in rows)
         step = _last_step(workdir, args.processes)
+        if next_kill is None and step > 0:
+          next_kill = now + rng.exponential(args.mtbf_s)
         recovering = bool(events) and events[-1]["contributing_t"] is None
-        if kills and now >= next_kill and step < args.last_kill_at * args.num_steps:
+        if (kills and next_kill is not None and now >= next_kill
+            and step < args.last_kill_at * args.num_steps):
           next_kill = now + rng.exponential(args.mtbf_s)
           k = int(rng.integers(args.processes))
           found = subprocess.run(["pgrep", "-f", f"workdir {workdir} .*process_id={k}$"],

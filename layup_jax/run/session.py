@@ -129,6 +129,7 @@ class Session:
     self.latencies: list[list[float]] | None = None  # every sample of this process, per stage
     self.remote_latencies: list[float] = []  # every send between processes (the leader)
     self._saved_step: int | None = None
+    self._said_no_checkpoints = False  # "checkpoint not written" is said once
     self.checkpoints_given_up: list[int] = []  # saves under way when a process was lost
     self.stopped_at_target = False  # `metrics.stop_at_target` ended the run early
     self.rejoined_at: int | None = None  # the step at which this process rejoined its run
@@ -354,6 +355,13 @@ class Session:
     self._saved_step = step
     started = time.perf_counter()
     arrays, runtime_meta = self.runtime.checkpoint.state_dict()
+    if runtime_meta is None:  # every live process rejoined the run: none writes
+      if self.primary and not self._said_no_checkpoints:
+        print(f"checkpoint {step} not written: every live process rejoined the run, and a "
+              f"process that rejoined writes no checkpoint; the run trains on, and its last "
+              f"checkpoint stays the one before", file=sys.stderr, flush=True)
+      self._said_no_checkpoints = True
+      return
     elastic = getattr(self.runtime, "elastic", None)  # (DDP: not elastic)
     lost = elastic is not None and elastic.processes_lost
     members = runtime_meta["processes"] if lost else None

@@ -71,12 +71,14 @@ class RuntimeCheckpoint:
   # Per-device entries of the checkpoint metadata (each process holds its devices' part).
   _PER_DEVICE_META = ("iterations", "weights", "peer_rngs", "clocks", "losses", "skipped")
 
-  def _whole_run_state(self, arrays: PyTree, meta: dict[str, Any]) -> tuple[PyTree, dict]:
+  def _whole_run_state(self, arrays: PyTree,
+                       meta: dict[str, Any]) -> tuple[PyTree, dict] | tuple[None, None]:
     """Across processes: the whole run's state, of which each process writes its own devices'
     replicas (`DeviceRows`) and process 0 the rest, which every process holds the same: the
     metadata of every process and the exchange's state, gathered (host copies of what differs
     between processes; what the exchange holds the same on every process is this process's
-    copy). A collective, at a consistent point."""
+    copy). A collective, at a consistent point. (None, None) where every live process is one
+    that rejoined, which writes none: then no checkpoint can be written."""
     exchange_arrays = _exchange_arrays(arrays)
     same = set(self.extra.same_on_every_process)
     own_copy = wire.host_tree({k: v for k, v in exchange_arrays.items() if k in same})
@@ -88,6 +90,8 @@ class RuntimeCheckpoint:
     # The gather's members (after a loss, the live processes) write the rows of their devices;
     # a process that rejoined takes part in the gather but writes none (`saves_checkpoints`).
     parts = [part for part in parts if part["saves"]]
+    if not parts:  # every live process rejoined: none can write (every process sees this)
+      return None, None
     members = {part["process"] for part in parts}
     live = self.rt.elastic.devices_of(members)
     devices = tuple(self.rt.run_devices[g] for g in live)
