@@ -6,6 +6,17 @@ variants:
   avg_m      as avg, and Adam's first moment averaged too
   avg_m_n8   as avg_m, normalized by the mean gradient's second-moment estimate (adam_mean_of=8)
   avg_n8     as avg, with adam_mean_of=8
+  avg_half_n8  as avg, each replica's AdamW (by hand: optax's chain's arithmetic) normalized by
+             an estimate of the mean of 8 gradients' second moment, v - (1 - 1/8) s, with s an
+             EMA (beta2) of the replica's own gradient noise, (g_a - g_b)^2 / 4 from the two
+             halves of its batch (an unbiased estimate of its gradient's variance per
+             coordinate), floored at v / 8
+  avg_half_n1  the same by-hand AdamW with v itself (the control: it must end where avg does)
+  avg_diagnose  avg, and beside it the second moment of the mean gradient (what DDP divides
+             by): at steps 10, 50, 150 and 300 it prints per parameter the quantiles over
+             coordinates of sqrt(v_mean / v_used), replica 0's step length against the
+             DDP-normalized one for the same first moment (<1: the replica steps shorter), v_used
+             the replica's own v ("own") and the adam_mean_of=8 estimate ("n8")
 """
 import os, sys, json, time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -41,7 +52,38 @@ def is_adam(s):
 def average_mu(opt):
   return jax.tree.map(lambda s: s._replace(mu=jax.tree.map(lambda a: jnp.broadcast_to(a.mean(0), a.shape), s.mu)) if is_adam(s) else s, opt, is_leaf=is_adam)
 
-if variant == "ddp":
+def half_grads(p, x, y, t):
+  """The loss, the batch's gradient and its noise estimate (g_a - g_b)^2 / 4 from its halves."""
+  n = x.shape[0] // 2
+  halves = lambda a: a[:2 * n].reshape((2, n) + a.shape[1:])
+  losses, gs = jax.vmap(grad_fn, in_axes=(None, 0, 0, None, None))(p, halves(x), halves(y), key, t)
+  g = jax.tree.map(lambda a: a.mean(0), gs)
+  noise = jax.tree.map(lambda a: (a[0] - a[1]) ** 2 / 4, gs)
+  return losses.mean(), g, noise
+
+if variant.startswith("avg_half_n"):
+  mean_of = int(variant.removeprefix("avg_half_n"))
+  schedule = optim.make_schedule(config.optimizer, steps, ds.steps_per_epoch)
+  b1, b2, eps, wd = config.optimizer.b1, config.optimizer.b2, config.optimizer.eps, config.optimizer.weight_decay
+  P = jax.tree.map(lambda a: jnp.broadcast_to(a, (M,) + a.shape), params)
+  zeros = jax.tree.map(jnp.zeros_like, P)
+  opt = (zeros, zeros, zeros)  # m, v, s per replica
+  @jax.jit
+  def step(P, opt, xs, ys, t):
+    losses, g, noise = jax.vmap(half_grads, in_axes=(0, 0, 0, None))(P, xs, ys, t)
+    m, v, s = opt
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
+    s = jax.tree.map(lambda s, n: b2 * s + (1 - b2) * n, s, noise)
+    c1, c2 = 1 - b1 ** (t + 1.0), 1 - b2 ** (t + 1.0)
+    def update(p, m, v, s):
+      vh, sh = v / c2, s / c2
+      d = jnp.maximum(vh - (1 - 1 / mean_of) * sh, vh / mean_of)
+      return p - schedule(t) * ((m / c1) / (jnp.sqrt(d) + eps) + wd * p)
+    P = jax.tree.map(update, P, m, v, s)
+    P = jax.tree.map(lambda a: jnp.broadcast_to(a.mean(0), a.shape), P)
+    return P, (m, v, s), losses.mean()
+elif variant == "ddp":
   opt = tx.init(params)
   @jax.jit
   def step(p, opt, xs, ys, t):
@@ -61,7 +103,7 @@ else:
     P = jax.tree.map(lambda a: jnp.broadcast_to(a.mean(0), a.shape), P)
     if "avg_m" in variant:
       opt = average_mu(opt)
-    return P, opt, losses.mean()
+    return P, opt, losses.mean(), jax.tree.map(lambda a: a.mean(0), g)
 
 @jax.jit
 def eval_sums(p, x, y, mask):
@@ -76,12 +118,33 @@ def test_loss(p):
     a, c = eval_sums(p, b.inputs, b.targets, b.mask); tot += float(a); n += float(c)
   return tot / n
 
+def adam_state(opt):
+  return [s for s in jax.tree.leaves(opt, is_leaf=is_adam) if is_adam(s)][0]
+
+def diagnose(t, opt, vbar):
+  s = adam_state(opt)
+  c1, c2 = 1 - 0.9 ** t, 1 - 0.95 ** t
+  rows = {}
+  for (path, m), v, vb in zip(jax.tree_util.tree_leaves_with_path(s.mu), jax.tree.leaves(s.nu),
+                              jax.tree.leaves(vbar)):
+    m, v, vb = np.asarray(m[0]) / c1, np.asarray(v[0]) / c2, np.asarray(vb) / c2
+    est = m * m + np.maximum(v - m * m, 0) / 8
+    q = lambda r: [round(float(x), 3) for x in np.quantile(r, (0.05, 0.5, 0.95))]
+    rows[jax.tree_util.keystr(path)] = {"own": q(np.sqrt(vb / (v + 1e-30))),
+                                        "n8": q(np.sqrt(vb / (est + 1e-30)))}
+  print(json.dumps({"step": t, "ratio_q05_q50_q95": rows}), flush=True)
+
+vbar = jax.tree.map(jnp.zeros_like, params)
 curve = []
 t0 = time.time()
 for t in range(steps):
   batches = [next(it) for it in ds.train]
   xs = np.stack([b.inputs for b in batches]); ys = np.stack([b.targets for b in batches])
-  P, opt, l = step(P, opt, xs, ys, jnp.int32(t))
+  P, opt, l, *mean_grad = step(P, opt, xs, ys, jnp.int32(t))
+  if variant == "avg_diagnose":
+    vbar = jax.tree.map(lambda v, g: 0.95 * v + 0.05 * g * g, vbar, mean_grad[0])
+    if (t + 1) in (10, 50, 150, 300):
+      diagnose(t + 1, opt, vbar)
   if (t + 1) % 50 == 0 or t + 1 == steps:
     p0 = P if variant == "ddp" else jax.tree.map(lambda a: a[0], P)
     curve.append((t + 1, round(test_loss(p0), 4)))
