@@ -529,6 +529,7 @@ def churn_gossip(args, workdir: pathlib.Path, kills: bool) -> dict:
   training = set(range(args.processes))  # started and not (yet) killed, rejoined or original
   events, pending = [], {}  # pending restarts: process -> wall time
   next_kill = None  # the schedule starts once the run trains
+  last_step, moved_at = 0, started
   try:
     while not (workdir / "summary.json").exists():
       now = time.time()
@@ -561,6 +562,11 @@ def churn_gossip(args, workdir: pathlib.Path, kills: bool) -> dict:
           readers.append(read_lines(running[k], outputs[k]))
           next(e for e in reversed(events) if e["process"] == k)["restart_t"] = time.time()
       step = _last_step(workdir, args.processes)
+      if step != last_step:
+        last_step, moved_at = step, now
+      assert now - moved_at < args.stall_s, (
+          f"the run stood still at step {step} for {args.stall_s:g} s (the outputs: "
+          f"{args.out}.logs)")
       if next_kill is None and step > 0:
         next_kill = now + rng.exponential(args.mtbf_s)
       if (kills and next_kill is not None and now >= next_kill
@@ -587,6 +593,14 @@ def churn_gossip(args, workdir: pathlib.Path, kills: bool) -> dict:
       p.wait()
     for reader in readers:
       reader.join(timeout=5)
+    # Every start's output with its lines' arrival times, whatever ended the drill (a stalled
+    # run is read from these).
+    logs = pathlib.Path(f"{args.out}.logs")
+    logs.mkdir(exist_ok=True)
+    for n, (p, out) in enumerate(zip(every_process, every_output)):
+      k = p.args[-1].rsplit("=", 1)[1]
+      (logs / f"start_{n}_process_{k}.log").write_text(
+          "".join(f"{t:.2f} {line}\n" for t, line in out))
   said = sorted(item for out in every_output for item in out)
   for event in events:
     k = event["process"]
@@ -687,6 +701,8 @@ def main_churn(argv: list[str]) -> None:
   parser.add_argument("--no-uninterrupted", action="store_true")
   parser.add_argument("--timeout", type=float, default=7200)
   parser.add_argument("--out", default="churn.json")
+  parser.add_argument("--stall-s", type=float, default=600,
+                      help="end the drill when no process's step moves this long")
   args = parser.parse_args(argv)
   if args.mtbf_s <= 0 or args.processes < 2:
     parser.error("--mtbf-s must be > 0 and --processes >= 2")
