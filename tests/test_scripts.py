@@ -39,6 +39,8 @@ def _main(name: str, argv: list[str]) -> int | str | None:
     ("drill_process_loss", ["kill-resume", "--help"], "--checkpoint-every"),
     ("drill_process_loss", ["elastic", "--help"], "--kill-during-save"),
     ("drill_process_loss", ["vanish", "--help"], "--slow"),
+    ("drill_process_loss", ["churn", "--help"], "--mtbf-s"),
+    ("bench_cluster", ["--help"], "--slow-factors"),
 ])
 def test_each_mode_takes_its_own_options(capsys, name, argv, option):
   assert _main(name, argv) == 0
