@@ -108,3 +108,19 @@ def test_a_speed_report_far_from_the_others_is_bounded():
   bound = Fraction(SPEED_BOUND)
   assert rate_by_speed(reports, devices, 2, 6) == 6 * bound / (2 * (2 + bound))
   assert rate_by_speed(reports, devices, 0, 6) == Fraction(6) / (2 * (2 + bound))
+
+
+def test_a_rate_set_where_the_map_starts_is_kept_as_at_a_rejoin_while_another_is_lost():
+  """A process rejoins at step 1680 (its map starts there) while another is still lost, so
+  its devices take 6 / 4 iterations per step at once: the run's count follows that rate (it
+  was read as one iteration per step, and fell back when a later loss added a piece; found by
+  the churn drill: a rejoined process then ended its run as stopped, at a step short of the
+  next evaluation)."""
+  pace = Pace(per_round=2, nominal=3360)
+  pace.set_rate(Fraction(6, 4), started=3360, nominal=3360)
+  assert pace.actual(3360 + 2 * 60) == 3360 + 180  # 60 steps: 90 rounds of 2 devices
+  assert pace.nominal(3360 + 180) == 3360 + 120
+  before = pace.nominal(3360 + 80)
+  pace.set_rate(Fraction(3), started=3360 + 80)  # the next loss: 6 / 2
+  assert pace.nominal(3360 + 80) == before  # the count never falls back
+  assert pace.nominal(3360 + 86) // 2 >= before // 2

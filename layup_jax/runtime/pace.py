@@ -81,14 +81,14 @@ class Pace:
   def nominal(self, actual: int) -> int:
     """The run's iteration count when this process has done `actual` iterations (its step:
     this over `per_round`)."""
-    if len(self._pieces) == 1:  # no loss: the identity (the dispatcher asks every iteration)
+    if self._identity():  # no loss: the identity (the dispatcher asks every iteration)
       return actual
     return math.floor(self._exact_nominal(actual))
 
   def actual(self, nominal: int) -> int:
     """This process's iterations for the run to count `nominal` (at least that; a whole
     number of rounds past a piece's start)."""
-    if len(self._pieces) == 1:
+    if self._identity():
       return nominal
     a0, m0, rate = self._piece(1, nominal)
     if rate == 1:
@@ -105,6 +105,11 @@ class Pace:
     at = -(-started // self.per_round) * self.per_round
     start = Fraction(nominal) if nominal is not None else self._exact_nominal(at)
     self._pieces = (*(p for p in self._pieces if p[0] < at), (at, start, rate))
+
+  def _identity(self) -> bool:
+    """One piece at rate 1: the identity. (One piece at another rate is no identity: a rate
+    set where the map starts, as at a rejoin while another process is still lost.)"""
+    return len(self._pieces) == 1 and self._pieces[0][2] == 1
 
   def _piece(self, key: int, value) -> tuple[int, Fraction, Fraction]:
     """The last piece starting at or before `value` (of the actual count: `key` 0, of the
