@@ -29,7 +29,7 @@ def await_value(client, key: str, writer: int) -> bytes:
   without one, at most `GATHER_TIMEOUT_S`."""
   members = membership.members
   deadline = None if members.watched else time.monotonic() + GATHER_TIMEOUT_S
-  accuse_at, insist = members.deadline(), False
+  patience = membership.AccusingWait(client, writer)
   with members.waiting():
     while True:
       try:
@@ -43,14 +43,9 @@ def await_value(client, key: str, writer: int) -> bytes:
         raise RuntimeError(f"process {writer} ended without writing {key} (see its own output)")
       if deadline is not None and time.monotonic() > deadline:
         raise TimeoutError(f"process {writer} did not write {key} within {GATHER_TIMEOUT_S:g} s")
-      if (accuse_at is not None and time.monotonic() > accuse_at and writer in members.trained
-          and members.watched):
-        waited = members.progress_timeout_s * (2 if insist else 1)
-        if members.accuse(client, writer, f"process {writer} did not write {key} within "
-                                          f"{waited:g} s", insist):
-          accuse_at = None
-        else:  # it waits itself: a deadline more
-          accuse_at, insist = members.deadline(), True
+      if writer in members.trained and members.watched:
+        patience.check(lambda waited: f"process {writer} did not write {key} within "
+                                      f"{waited:g} s")
 
 
 def _read_gather(client, prefix: str, mine: bytes) -> list[tuple[int, bytes]]:

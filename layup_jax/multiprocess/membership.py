@@ -282,3 +282,27 @@ class Membership:
 
 
 members = Membership()
+
+
+class AccusingWait:
+  """A wait on one other process that ends in an accusation (`Membership.accuse`): past the
+  progress timeout without progress it accuses `process`, not insisting; where that process
+  waits itself, once more a deadline later, insisting. `restart` when the process was seen to
+  move; `check` while waiting."""
+
+  def __init__(self, client, process: int):
+    self._client, self._process = client, process
+    self.restart()
+
+  def restart(self) -> None:
+    self._accuse_at, self._insist = members.deadline(), False
+
+  def check(self, why: Callable[[float], str]) -> None:
+    """Accuses the process if its deadline has passed; `why(seconds waited)` says why."""
+    if self._accuse_at is None or time.monotonic() <= self._accuse_at:
+      return
+    waited = members.progress_timeout_s * (2 if self._insist else 1)
+    if members.accuse(self._client, self._process, why(waited), self._insist):
+      self._accuse_at = None
+    else:  # it waits itself: a deadline more
+      self._accuse_at, self._insist = members.deadline(), True

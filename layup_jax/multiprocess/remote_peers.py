@@ -287,18 +287,16 @@ class RemotePeers:
     members = membership.members
     with members.waiting():
       for process in self.other_processes():
-        acked, deadline, insist = self.acknowledged(process), members.deadline(), False
+        acked, patience = self.acknowledged(process), membership.AccusingWait(self._client,
+                                                                              process)
         while (acked < self._sent[process] and not stopped() and process not in self.lost):
           time.sleep(_ACK_POLL_S)
           if (now := self.acknowledged(process)) != acked:
-            acked, deadline, insist = now, members.deadline(), False
-          elif deadline is not None and time.monotonic() > deadline:
-            waited = members.progress_timeout_s * (2 if insist else 1)
-            if members.accuse(self._client, process, f"sends to process {process} were not "
-                              f"acknowledged for {waited:g} s", insist):
-              deadline = None
-            else:  # it waits itself: a deadline more
-              deadline, insist = members.deadline(), True
+            acked = now
+            patience.restart()
+          else:
+            patience.check(lambda waited: f"sends to process {process} were not "
+                                          f"acknowledged for {waited:g} s")
 
   # --- receiving ------------------------------------------------------------------------------
 
@@ -424,7 +422,7 @@ class RemotePeers:
     uuid = self._offer_and_announce(process, notice, peer, s, mine, 0.0, average=True)
     reply = f"layup_jax/gossip-reply/{self._me}/{uuid}"
     members = membership.members
-    deadline, insist = members.deadline(), False
+    patience = membership.AccusingWait(self._client, process)
     with members.waiting():
       while True:
         try:
@@ -435,13 +433,8 @@ class RemotePeers:
             return
           if "DEADLINE_EXCEEDED" not in str(error) or stopped():
             raise
-        if deadline is not None and time.monotonic() > deadline:
-          waited = members.progress_timeout_s * (2 if insist else 1)
-          if members.accuse(self._client, process, f"a pairwise average with process {process} "
-                            f"was not answered for {waited:g} s", insist):
-            deadline = None
-          else:  # it waits itself: a deadline more
-            deadline, insist = members.deadline(), True
+        patience.check(lambda waited: f"a pairwise average with process {process} was not "
+                                      f"answered for {waited:g} s")
     self._client.key_value_delete(reply)
     try:  # in an elastic run, waited for here, where a dead peer's failure can be caught
       theirs = self._arrived(process, self._pull(process, theirs_uuid, i, s))
