@@ -425,6 +425,15 @@ def _start_3x2(work, settings: dict, logs: list[pathlib.Path],
   return _start(_train_args_3x2(work, settings), logs, 2, replace)
 
 
+def _statuses(processes: list[subprocess.Popen]) -> list[int]:
+  """Each process's exit status, waited for (600 s each); every one killed if that fails."""
+  try:
+    return [p.wait(timeout=600) for p in processes]
+  finally:
+    for p in processes:
+      p.kill()
+
+
 def _assert_survivors_finished(work, steps: int, statuses: list[int], log: str) -> None:
   """Processes 0 and 1 ended with status 0, the push-sum average of their replicas finite and
   >= 0.95 on the digits, its weights summing to 1 within 1e-9."""
@@ -452,11 +461,7 @@ def test_a_peer_sending_nan_is_dropped_and_named(tmp_path):
   work = tmp_path / "nan"
   logs = [tmp_path / f"process_{k}.log" for k in range(3)]
   processes = _start_3x2(work, settings, logs, {2: ["tests/faulty_process.py", "nan"]})
-  try:
-    statuses = [p.wait(timeout=600) for p in processes]
-  finally:
-    for p in processes:
-      p.kill()
+  statuses = _statuses(processes)
   first, faulty = logs[0].read_text(), logs[2].read_text()
   both = first + logs[1].read_text()
   _assert_survivors_finished(work, 150, statuses, both + faulty)
@@ -522,11 +527,7 @@ def test_a_process_whose_training_hangs_while_it_beats_is_declared_lost(tmp_path
   work = tmp_path / "hung"
   logs = [tmp_path / f"process_{k}.log" for k in range(3)]
   processes = _start_3x2(work, settings, logs, {2: ["tests/faulty_process.py", "hang"]})
-  try:
-    statuses = [p.wait(timeout=600) for p in processes]
-  finally:
-    for p in processes:
-      p.kill()
+  statuses = _statuses(processes)
   first, hung = logs[0].read_text(), logs[2].read_text()
   _assert_survivors_finished(work, 300, statuses, first + logs[1].read_text() + hung)
   declared = re.findall(r"process 2 lost at step \d+; 4 devices train on \((.*)\)", first)
