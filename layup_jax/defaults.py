@@ -118,9 +118,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.b1 = 0.9  # Adam beta1
   config.optimizer.b2 = 0.999  # Adam beta2
   config.optimizer.eps = 1e-8  # Adam epsilon
-  # Adam, AdamW: each device's step normalized by the second moment of the mean of this many
-  # devices' gradients, m^2 + (v - m^2) / n, as DDP's Adam sees its devices' mean gradient
-  # (layup_jax/optim.py `scale_by_adam_of_mean`); 1 = Adam's own.
+  # Adam, AdamW: each device's step normalized by an estimate of the second moment of the mean
+  # of this many devices' gradients, v - (1 - 1/n) s with s the gradient's noise measured from
+  # its batch's two halves, as DDP's Adam sees its devices' mean gradient (layup_jax/optim.py
+  # `scale_by_adam_of_mean`); 1 = Adam's own. Not for DDP; needs an even batch.
   config.optimizer.adam_mean_of = 1
   config.optimizer.schedule = "cosine"  # "constant", "cosine" (to zero) or "linear" (to zero)
   config.optimizer.warmup_steps = 0  # linear warm-up steps before the schedule

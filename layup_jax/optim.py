@@ -10,6 +10,8 @@ began, is what a synchronous run's step would be at that point of the run: every
 follows one schedule in run time, which ends with the run.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -55,35 +57,59 @@ def scale_by_schedule_at_step(schedule: optax.Schedule) -> optax.GradientTransfo
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
+class ScaleByAdamOfMeanState(NamedTuple):
+  """Adam's state and an EMA (Adam's `b2`) of this device's gradient noise per coordinate."""
+  count: jax.Array
+  mu: optax.Updates
+  nu: optax.Updates
+  noise: optax.Updates
+
+
 def scale_by_adam_of_mean(b1: float, b2: float, eps: float,
-                          mean_of: float) -> optax.GradientTransformation:
-  """Adam whose step is normalized by the second moment of the mean of `mean_of` devices'
-  gradients rather than of this device's own: `m / (sqrt(m^2 + (v - m^2) / n) + eps)`, with
-  `m`, `v` Adam's bias-corrected moments and `n = mean_of` (1: Adam itself).
+                          mean_of: float) -> optax.GradientTransformationExtraArgs:
+  """Adam whose step is normalized by an estimate of the second moment of the mean of
+  `mean_of` devices' gradients rather than of this device's own: `m / (sqrt(d) + eps)` with
+  `d = max(v - (1 - 1/n) s, v / n)`, `m`, `v` Adam's bias-corrected moments, `s` the
+  bias-corrected EMA of the gradient's noise variance and `n = mean_of` (1: Adam itself).
 
   Why: DDP's Adam sees the mean of its M devices' gradients, whose noise variance is 1/M of one
   device's; a replica that averages its model with others' (LayUp, the gossip and periodic
-  baselines) sees its own gradient, so where noise dominates a coordinate its Adam steps
-  sqrt(M) times shorter, and the average of the replicas' steps is that much shorter than DDP's
-  step at the same learning rate (with SGD the average step is DDP's). `v - m^2` estimates a
-  coordinate's noise variance and `m^2` its squared mean: the step is Adam's where the mean
-  dominates and DDP's where the noise does. The state is Adam's (`ScaleByAdamState`)."""
-  adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+  baselines) sees its own gradient, so where noise dominates a coordinate its Adam steps up to
+  sqrt(M) times shorter than DDP's at the same learning rate (with SGD the average step is
+  DDP's). The noise is measured, not guessed: `update` takes `noise=`, `(g_a - g_b)^2 / 4` per
+  coordinate from the gradients `g_a`, `g_b` of the two halves of the batch, an unbiased
+  estimate of the batch gradient's variance (runtime/programs.py `halves_sum_and_noise`).
+  `v - m^2` is no such estimate: early in training most of it is the movement every replica
+  shares (docs/records/language_model.md). The floor `v / n` keeps the step at most sqrt(n)
+  times Adam's own where the estimate overshoots."""
   if mean_of <= 1:
-    return adam
+    return optax.with_extra_args_support(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
 
-  def update(updates, state, params=None):
-    _, state = adam.update(updates, state, params)
-    mu_hat = optax.tree.bias_correction(state.mu, b1, state.count)
-    nu_hat = optax.tree.bias_correction(state.nu, b2, state.count)
+  def init(params):
+    zeros = lambda: optax.tree.zeros_like(params)
+    return ScaleByAdamOfMeanState(jnp.zeros([], jnp.int32), zeros(), zeros(), zeros())
 
-    def step(m, v):
-      noise = jnp.maximum(v - m * m, 0.0)
-      return (m / (jnp.sqrt(m * m + noise / mean_of) + eps)).astype(m.dtype)
+  def update(updates, state, params=None, *, noise=None, **extra_args):
+    del params, extra_args
+    if noise is None:
+      raise ValueError("optimizer.adam_mean_of > 1 needs the noise of each gradient, measured "
+                       "from its batch's halves; this update was given none")
+    mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+    ema = optax.tree.update_moment(noise, state.noise, b2, 1)
+    count = optax.safe_increment(state.count)
+    mu_hat = optax.tree.bias_correction(mu, b1, count)
+    nu_hat = optax.tree.bias_correction(nu, b2, count)
+    noise_hat = optax.tree.bias_correction(ema, b2, count)
 
-    return jax.tree.map(step, mu_hat, nu_hat), state
+    def step(m, v, s):
+      d = jnp.maximum(v - (1 - 1 / mean_of) * s, v / mean_of)
+      return (m / (jnp.sqrt(d) + eps)).astype(m.dtype)
 
-  return optax.GradientTransformation(adam.init, update)
+    return (jax.tree.map(step, mu_hat, nu_hat, noise_hat),
+            ScaleByAdamOfMeanState(count, mu, nu, ema))
+
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 def make_optimizer(config: ml_collections.ConfigDict, num_steps: int,

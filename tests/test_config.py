@@ -168,3 +168,19 @@ def test_a_coordinator_port_in_use_is_one_line(tmp_path):
   assert errors == [f"error: config.distributed.coordinator_address='127.0.0.1:{port}': the "
                     f"coordination service cannot listen on port {port} here (in use by another "
                     f"program or run?); choose a free port"]
+
+
+def test_an_adam_normalized_as_by_the_mean_needs_own_gradients_adam_and_an_even_batch(
+    tiny_config):
+  tiny_config.optimizer.adam_mean_of, tiny_config.optimizer.name = 8, "adamw"
+  tiny_config.algorithm = "ddp"
+  with pytest.raises(ConfigError, match=r"adam_mean_of=8: ddp's Adam already sees"):
+    validate_config(tiny_config, 8)
+  tiny_config.algorithm, tiny_config.optimizer.name = "layup", "sgd"
+  with pytest.raises(ConfigError, match=r"applies to Adam and AdamW"):
+    validate_config(tiny_config, 8)
+  tiny_config.optimizer.name, tiny_config.data.batch_size = "adamw", 7
+  with pytest.raises(ConfigError, match=r"batch_size=7: must be even"):
+    validate_config(tiny_config, 8)
+  tiny_config.data.batch_size = 8
+  validate_config(tiny_config, 8)

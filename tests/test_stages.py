@@ -154,6 +154,40 @@ def test_grouped_stages_compute_the_ungrouped_model(tiny_config, model_name):
   chex.assert_trees_all_close(grads, nest(want), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_name,packed", [("resnet", False), ("gpt2", True)])
+def test_gradients_by_halves_are_each_halfs_own_and_sum_to_the_batchs(tiny_config, model_name,
+                                                                      packed):
+  # What an Adam that measures its gradient's noise is given (optimizer.adam_mean_of): each half
+  # of the batch's own gradient (over 2), GPT-2's tied embedding's two parts included, BatchNorm
+  # normalizing each half by its own statistics; without BatchNorm the halves' sum is the
+  # batch's gradient.
+  if model_name == "gpt2":
+    model, (inputs, labels) = _tiny_gpt2(), _tokens()
+  else:
+    model, (inputs, labels) = models.make_model(tiny_config.model), _digits_batch()
+  params, state = model.init(jax.random.key(0), inputs)
+  options = {}
+  if packed:
+    options["packings"] = [packing.StagePacking.of(p) for p in params]
+    params = [k.pack(p) for k, p in zip(options["packings"], params)]
+  key, iteration, n = jax.random.key(1), np.int32(3), len(inputs) // 2
+  grads_of = lambda steps, x, y: staged_pass.staged_value_and_grad(
+      model, steps, params, state, x, y, key, iteration)
+  plain, by_halves = (programs.make_stage_steps(model, by_halves=h, **options)
+                      for h in (False, True))
+  loss, grads, new_state = grads_of(by_halves, inputs, labels)
+  for half, part in ((0, slice(None, n)), (1, slice(n, None))):
+    half_loss, want, _ = grads_of(plain, inputs[part], labels[part])
+    chex.assert_trees_all_close(jax.tree.map(lambda g: 2 * g[half], grads), want, atol=1e-6,
+                                rtol=1e-5)
+  if model_name == "gpt2":  # no statistics: the halves' sum is the batch's gradient
+    whole_loss, whole, _ = grads_of(plain, inputs, labels)
+    chex.assert_trees_all_close(jax.tree.map(lambda g: g[0] + g[1], grads), whole, atol=1e-6,
+                                rtol=1e-5)
+    assert float(loss) == pytest.approx(float(whole_loss), rel=1e-6)
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+
+
 def test_a_fused_backward_and_update_equals_the_backward_then_the_update():
   # Stage 0 owns GPT-2's tied embedding: its update must include the head's part of the gradient.
   model = _tiny_gpt2()

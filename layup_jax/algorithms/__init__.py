@@ -35,6 +35,9 @@ class Algorithm:
   rejoins: bool = False
   # Takes its outer step at every average (`baselines.out_freq` must equal `baselines.tau`).
   outer_step_every_average: bool = False
+  # Each device steps on its own gradient (False: DDP's devices step on their mean), so an
+  # Adam normalized as by the mean of many (`optimizer.adam_mean_of`) applies.
+  own_gradients: bool = True
 
 
 _REGISTRY: dict[str, Algorithm] = {}
@@ -70,7 +73,7 @@ register("layup", _on_asynchronous_runtime(layup.LayUp), gossip=True, rejoins=Tr
 # weight per device and a stage per layer (layup_jax/defaults.py ALGORITHM_SETTINGS, which
 # run/validation.py holds it to).
 register("layup_paper", _on_asynchronous_runtime(layup.LayUp), gossip=True)
-register("ddp", ddp.build)
+register("ddp", ddp.build, own_gradients=False)
 register("gosgd", _on_asynchronous_runtime(gossip.GoSGD), gossip=True, rejoins=True)
 register("adpsgd", _on_asynchronous_runtime(gossip.ADPSGD), gossip=True)
 register("local_sgd", periodic.builder(lambda b: None))

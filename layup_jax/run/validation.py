@@ -165,6 +165,15 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
            "metrics.stop_at_target", True,
            "needs a target: set metrics.target_accuracy, metrics.target_loss or "
            "metrics.target_perplexity")
+  mean_of = config.optimizer.adam_mean_of
+  if mean_of > 1:
+    _require(algorithms.get(config.algorithm).own_gradients, "optimizer.adam_mean_of", mean_of,
+             f"{config.algorithm}'s Adam already sees its devices' mean gradient: leave it at 1")
+    _require(config.optimizer.name in ("adam", "adamw"), "optimizer.adam_mean_of", mean_of,
+             f"applies to Adam and AdamW, not optimizer.name={config.optimizer.name!r}")
+    _require(config.data.batch_size % 2 == 0, "data.batch_size", config.data.batch_size,
+             "must be even with optimizer.adam_mean_of > 1 (the noise is measured from the "
+             "batch's two halves)")
   _require(config.optimizer.momentum < 1, "optimizer.momentum", config.optimizer.momentum,
            "must be < 1")
   _require(config.optimizer.warmup_fraction < 1, "optimizer.warmup_fraction",

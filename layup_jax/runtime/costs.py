@@ -62,7 +62,8 @@ def replica_flops(model: staged.StagedModel, store: Any, example: Any,
   no gossip): the model's FLOPs, counted without the backward's recomputation (`remat`), as
   MFU counts them; `analyse` is `lowered` (no compilation) or `compiled`."""
   steps = programs.make_stage_steps(model, packings=store.packings,
-                                  state_packings=store.state_packings)
+                                    state_packings=store.state_packings,
+                                    by_halves=store.by_halves)
   return staged_flops(*replica_calls(model, store, example, steps), analyse=analyse)
 
 

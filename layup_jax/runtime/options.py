@@ -28,6 +28,7 @@ CONFIG_KEYS = {
     "compression": "distributed.compression",
     "survivors_train_lost_share": "distributed.survivors_train_lost_share",
     "share_by_speed": "distributed.share_by_speed",
+    "adam_mean_of": "optimizer.adam_mean_of",
     **{knob: f"tuning.{knob}" for knob in (
         "max_dispatch_ahead", "max_sends_in_flight", "pack_stages", "fuse_local_step",
         "updater_thread", "pin_host_threads", "idle_poll_s", "remat", "chain_forwards")},
@@ -69,6 +70,13 @@ class RuntimeOptions:
   compression: str
   survivors_train_lost_share: bool
   share_by_speed: bool
+  adam_mean_of: float
+
+  @property
+  def by_halves(self) -> bool:
+    """Whether each stage's gradient comes as its batch's two halves contributed it, for an
+    optimizer that measures its noise (`optimizer.adam_mean_of` > 1)."""
+    return self.adam_mean_of > 1
 
   @classmethod
   def of(cls, **changes) -> "RuntimeOptions":

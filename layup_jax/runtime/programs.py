@@ -53,10 +53,45 @@ def keep_finite(new: PyTree, old: PyTree) -> PyTree:
   return jax.tree.map(pick, new, old)
 
 
+def halves(tree: PyTree) -> PyTree:
+  """Each leaf's leading (batch) axis cut in two: `(B, ...)` -> `(2, B / 2, ...)`."""
+  return jax.tree.map(lambda a: a.reshape(2, a.shape[0] // 2, *a.shape[1:]), tree)
+
+
+def whole(tree: PyTree) -> PyTree:
+  """`halves` undone: `(2, B / 2, ...)` -> `(B, ...)`."""
+  return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+
+def twice(tree: PyTree) -> PyTree:
+  """Each leaf stacked twice, `(2, ...)`: params seen by both halves of a batch."""
+  return jax.tree.map(lambda a: jnp.broadcast_to(a, (2, *a.shape)), tree)
+
+
+def halves_sum_and_noise(grads: PyTree) -> tuple[PyTree, PyTree]:
+  """From a stage's gradient as its batch's two halves contributed it, `(2, ...)` (each half's
+  mean-loss gradient over 2, so that they sum to the batch's): the batch's gradient, and
+  `(g_a - g_b)^2 / 4` per coordinate, `g_a`, `g_b` the halves' own gradients, an unbiased
+  estimate of the variance of the batch's gradient (layup_jax/optim.py
+  `scale_by_adam_of_mean`)."""
+  return (jax.tree.map(lambda g: g[0] + g[1], grads),
+          jax.tree.map(lambda g: jnp.square(g[0] - g[1]), grads))
+
+
+def mean_of_halves(state: PyTree) -> PyTree:
+  """A stage's new state from its two halves' (BatchNorm statistics: their mean)."""
+  return jax.tree.map(lambda a: a.mean(0).astype(a.dtype)
+                      if jnp.issubdtype(a.dtype, jnp.inexact) else a[0], state)
+
+
 def local_update(tx: optax.GradientTransformation, params, opt_state, grads, step: jax.Array,
                  first_nonfinite: jax.Array | None = None, scale: jax.Array | None = None,
-                 skip_nonfinite: bool = False):
+                 skip_nonfinite: bool = False, by_halves: bool = False):
   """One Optax step of one stage: `(new_params, new_opt_state, first_nonfinite)`.
+
+  With `by_halves`, `grads` is the stage's gradient as the two halves of its batch contributed
+  it, `(2, ...)` (`make_stage_steps(by_halves=True)`): the step takes their sum, and their
+  difference as `noise=` (`halves_sum_and_noise`; layup_jax/optim.py `scale_by_adam_of_mean`).
 
   `scale` multiplies the step's update (None: 1): LayUp's numerator form of the local update
   (`layup.local_update`) scales it by the device's equal share over its push-sum weight, so that
@@ -71,9 +106,12 @@ def local_update(tx: optax.GradientTransformation, params, opt_state, grads, ste
   position n of the first non-finite one. With `skip_nonfinite`, a non-finite gradient leaves
   params and optimizer state as they were.
   """
+  extra = {}
+  if by_halves:
+    grads, extra["noise"] = halves_sum_and_noise(grads)
   finite = all_finite(grads)
   updates, new_opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params,
-                                                                     step=step)
+                                                                     step=step, **extra)
   if scale is not None:
     updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
   new_params = optax.apply_updates(params, updates)
@@ -155,7 +193,7 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
                      state_packings: Sequence[StagePacking | None] | None = None,
                      remat: str = "none", update: Callable | None = None,
                      merge_state: Sequence[bool] | None = None,
-                     chain_forwards: bool = False) -> StageSteps:
+                     chain_forwards: bool = False, by_halves: bool = False) -> StageSteps:
   """The jitted per-stage functions; `keep_finite_state` keeps a stage's old BatchNorm
   statistics wherever a batch made the new ones non-finite (for skipped non-finite steps);
   `packings` (one per stage) makes them take and return flat params and gradients, and
@@ -166,7 +204,12 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   fused `backward_update` and `loss_update` functions; `merge_state` (per stage: whether its
   BatchNorm state travels with a send) adds the `*_mix` functions; `chain_forwards` adds
   `forward_chain`, an iteration's forwards as one program (one launch instead of one per
-  stage; each stage's backward, update and send stay its own)."""
+  stage; each stage's backward, update and send stay its own); `by_halves` runs each stage on
+  the two halves of its batch side by side (one program, the same work) and returns every
+  gradient as the halves contributed it, `(2, ...)`, for an update that measures its
+  gradient's noise (`local_update(by_halves=True)`): a tied array is seen by both halves whole,
+  BatchNorm normalizes each half by its own statistics and keeps their mean, and the halves
+  draw their dropout apart."""
   if remat not in REMAT_POLICIES:
     raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
   last = model.num_stages - 1
@@ -180,12 +223,48 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   packed_up_to = None if packings else 0  # without packings residuals are only stripped
   policy = REMAT_POLICIES[remat]
 
+  def split_input(s, x):
+    """A stage's input as its halves see it: the activation cut in two, a tied array whole."""
+    if model.tie_of(s) is None:
+      return halves(x)
+    return halves(x[0]), twice(x[1])
+
+  def whole_input_grad(s, dx):
+    """The halves' input gradient as the previous stage (and a tie's owner) takes it: the
+    activation's whole, a tied array's per half."""
+    if model.tie_of(s) is None:
+      return whole(dx)
+    return whole(dx[0]), dx[1]
+
+  def on_halves(apply_one):
+    """`apply_one(p, h, rng) -> (y, new_state)` on both halves at once, from `twice` params
+    and `split_input`: `(y per half, the halves' mean state)`."""
+    def apply(p2, h2, rng):
+      y2, states = jax.vmap(apply_one)(p2, h2, jax.random.split(rng))
+      return y2, mean_of_halves(states)
+    return apply
+
+  def stage_vjp(s, vjp, inputs, dy):
+    """Stage s's `(grads, dx)` from its forward's residuals (per half under `by_halves`)."""
+    if not by_halves:
+      return unpack_residuals(vjp, inputs)(dy)
+    params, x = inputs
+    grads, dx = unpack_residuals(vjp, (twice(params), split_input(s, x)))(halves(dy))
+    return grads, whole_input_grad(s, dx)
+
+  def add_tied_grad(s, grads, tied_grad):
+    add = lambda g, t: pack[s](tree_add_at(unpack[s](g), tie_path[s], t))
+    return jax.vmap(add)(grads, tied_grad) if by_halves else add(grads, tied_grad)
+
+  tie_path = {tie.owner: tie.path for tie in model.ties}
+
   forwards: dict[Any, Callable] = {}
 
   def shared_forward(s):
     module = model.modules[s]
     try:
-      key = (module, packings[s] if packings else None, layouts[s])
+      key = (module, packings[s] if packings else None, layouts[s],
+             by_halves and model.tie_of(s) is not None)
       if key not in forwards:
         forwards[key] = jax.jit(make_forward(s))
       return forwards[key]
@@ -198,35 +277,54 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
 
     def forward(params, state, x, key, iteration):
       rng = jax.random.fold_in(key, iteration)
-      apply = lambda p, h: apply_module(module, unpack_params(p), unpack_st(state), h, rng, True)
+      apply_one = lambda p, h, r: apply_module(module, unpack_params(p), unpack_st(state), h, r,
+                                               True)
       if policy is not None:
-        apply = jax.checkpoint(apply, policy=policy)
-      y, vjp, new_state = jax.vjp(apply, params, x, has_aux=True)
-      residuals = pack_residuals(vjp, (params, x), packed_up_to)
-      return y, guard_state(pack_st(new_state), state), residuals
+        apply_one = jax.checkpoint(apply_one, policy=policy)
+      if by_halves:
+        inputs, apply = (twice(params), split_input(s, x)), on_halves(apply_one)
+      else:
+        inputs, apply = (params, x), apply_one
+      y, vjp, new_state = jax.vjp(lambda p, h: apply(p, h, rng), *inputs, has_aux=True)
+      residuals = pack_residuals(vjp, inputs, packed_up_to)
+      return (whole(y) if by_halves else y), guard_state(pack_st(new_state), state), residuals
 
     return forward
 
-  def backward(vjp, inputs, dy):
-    return unpack_residuals(vjp, inputs)(dy)
+  def make_backward(s):
+    if s == 0:  # XLA drops the unused input gradient
+      return lambda vjp, inputs, dy: (stage_vjp(s, vjp, inputs, dy)[0], None)
+    return lambda vjp, inputs, dy: stage_vjp(s, vjp, inputs, dy)
 
-  def first_backward(vjp, inputs, dy):
-    return unpack_residuals(vjp, inputs)(dy)[0], None  # XLA drops the unused input gradient
+  backwards: dict[tuple, Callable] = {}
+
+  def shared_backward(s):  # one for stage 0, one for a tie's consumer, one for the others
+    key = (s == 0, by_halves and model.tie_of(s) is not None)
+    if key not in backwards:
+      backwards[key] = jax.jit(make_backward(s))
+    return backwards[key]
 
   def loss(params, state, x, labels, key, iteration):
     rng = jax.random.fold_in(key, iteration)
     argnums = (0,) if last == 0 else (0, 1)
-    (value, new_state), grads = jax.value_and_grad(
-        lambda p, h: model.loss_stage(unpack[last](p), unpack_state[last](state), h, labels,
-                                      rng), argnums=argnums, has_aux=True
-    )(params, x)
-    return (value, guard_state(pack_state[last](new_state), state), grads[0],
-            (grads[1] if last > 0 else None))
+    loss_one = lambda p, h, y, r: model.loss_stage(unpack[last](p), unpack_state[last](state),
+                                                   h, y, r)
+    if by_halves:
+      def value_of(p2, h2):
+        values, states = jax.vmap(loss_one)(p2, h2, halves(labels), jax.random.split(rng))
+        return values.mean(), mean_of_halves(states)
+      inputs = (twice(params), split_input(last, x))
+    else:
+      value_of, inputs = (lambda p, h: loss_one(p, h, labels, rng)), (params, x)
+    (value, new_state), grads = jax.value_and_grad(value_of, argnums=argnums,
+                                                   has_aux=True)(*inputs)
+    dx = None
+    if last > 0:
+      dx = whole_input_grad(last, grads[1]) if by_halves else grads[1]
+    return value, guard_state(pack_state[last](new_state), state), grads[0], dx
 
   def make_add_tied(tie):
-    owner = tie.owner
-    return jax.jit(lambda grads, tied_grad: pack[owner](
-        tree_add_at(unpack[owner](grads), tie.path, tied_grad)))
+    return jax.jit(lambda grads, tied_grad: add_tied_grad(tie.owner, grads, tied_grad))
 
   def make_read_tied(tie):
     return jax.jit(lambda params: tree_get(unpack[tie.owner](params), tie.path))
@@ -235,9 +333,9 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
     tie = next((t for t in model.ties if t.owner == s), None)
 
     def backward_update(vjp, inputs, dy, opt_state, step, first_nonfinite, scale, tied_grad):
-      grads, dx = unpack_residuals(vjp, inputs)(dy)
+      grads, dx = stage_vjp(s, vjp, inputs, dy)
       if tie is not None:
-        grads = pack[s](tree_add_at(unpack[s](grads), tie.path, tied_grad))
+        grads = add_tied_grad(s, grads, tied_grad)
       params, opt_state, first_nonfinite = update(inputs[0], opt_state, grads, step,
                                                   first_nonfinite, scale)
       return params, opt_state, first_nonfinite, (None if s == 0 else dx)
@@ -256,7 +354,7 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
 
   def shared_backward_update(s, mix: bool = False):  # one for every stage but the first and
     key = (s == 0, s if any(t.owner == s for t in model.ties) else None,  # tie owners
-           mix, mix and merge_state[s])
+           mix, mix and merge_state[s], by_halves and model.tie_of(s) is not None)
     if key not in fused:
       fused[key] = make_backward_update(s, mix)
     return fused[key]
@@ -285,7 +383,6 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
     return tuple(inputs), x, tuple(new_states), tuple(residuals)
 
   mixes = merge_state is not None
-  backward_jit, first_backward_jit = jax.jit(backward), jax.jit(first_backward)
   return StageSteps(
       backward_update=(tuple(shared_backward_update(s) for s in range(last)) if update
                        else ()),
@@ -296,7 +393,7 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
                            if mixes and update else ()),
       loss_update_mix=(jax.jit(loss_update_mix, donate_argnums=(8,)) if mixes and update
                        else None),
-      backward=tuple(first_backward_jit if s == 0 else backward_jit for s in range(last)),
+      backward=tuple(shared_backward(s) for s in range(last)),
       add_tied={tie.owner: make_add_tied(tie) for tie in model.ties},
       read_tied=({tie.consumer: make_read_tied(tie) for tie in model.ties} if packings else {}),
       forward_chain=jax.jit(forward_chain) if chained else None,

@@ -127,17 +127,20 @@ class ReplicaStore:
     # would travel to peers with the next send, and under `stop` the run's error would then
     # name whichever device read its loss first rather than the one it appeared on. The
     # policy decides only whether the run goes on (the runtime reads the checks).
-    step_fn = functools.partial(local_update, tx, skip_nonfinite=True)
+    self.by_halves = options.by_halves  # gradients per half batch (`make_stage_steps`)
+    step_fn = functools.partial(local_update, tx, skip_nonfinite=True, by_halves=self.by_halves)
     self._merge_state = [self.bn_policy == "mix" and has for has in self._has_state]
     self.steps = make_stage_steps(model, keep_finite_state=True,
                                   packings=self.packings, state_packings=self.state_packings,
                                   remat=options.remat, update=step_fn,
                                   merge_state=self._merge_state,
-                                  chain_forwards=options.chain_forwards)
+                                  chain_forwards=options.chain_forwards,
+                                  by_halves=self.by_halves)
     # Donated: the Optax state and the gradient, which only the update reads (the new params
-    # take the gradient's buffer). Params are never donated: forwards, backwards and sends read
-    # them; nor is a received stage, which marks its send as landed (`merge`).
-    self.update = jax.jit(step_fn, donate_argnums=(1, 2))
+    # take the gradient's buffer; a gradient per half has no params' shape, so is not given).
+    # Params are never donated: forwards, backwards and sends read them; nor is a received
+    # stage, which marks its send as landed (`merge`).
+    self.update = jax.jit(step_fn, donate_argnums=(1,) if self.by_halves else (1, 2))
     self.merge_fn = jax.jit(mixing.merge)
     self.toward_average_fn = jax.jit(mixing.toward_average)
     self._add = jax.jit(optax.tree.add)
