@@ -12,7 +12,8 @@ weight decay 0.1) with a linear warm-up and cosine decay; 300 steps of 8 x 16 x 
 Each method's peak learning rate and warm-up share were chosen by one rule, as for
 Fashion-MNIST: the best final test loss of a grid at this budget, one seed
 (`bash scripts/reproduce_results.sh lm_search`; the grid and the pick: docs/results.md,
-"stdlib_gpt2_mini_search"). The paper's Algorithm 1 (`layup_paper`) takes LayUp's values.
+"stdlib_gpt2_mini_search"). The paper's Algorithm 1 (`layup_paper`) takes LayUp's values, with
+the paper's per-device AdamW (`optimizer.adam_mean_of` 1).
 """
 
 import sysconfig
@@ -21,8 +22,14 @@ from layup_jax import defaults
 
 PAPER = {}
 PAPER["ddp"] = {"optimizer.learning_rate": 0.012, "optimizer.warmup_fraction": 0.2}
-PAPER["layup"] = {"optimizer.learning_rate": 0.012, "optimizer.warmup_fraction": 0.2}
-PAPER["layup_paper"] = PAPER["layup"]  # not searched on its own: LayUp's values
+# LayUp's AdamW normalizes each device's step as by the mean of its 8 devices' gradients, the
+# noise measured from each batch's halves (layup_jax/optim.py `scale_by_adam_of_mean`): the
+# paper's per-device AdamW steps up to sqrt(8) times shorter than DDP's where noise dominates
+# (docs/records/language_model.md).
+PAPER["layup"] = {"optimizer.learning_rate": 0.012, "optimizer.warmup_fraction": 0.2,
+                  "optimizer.adam_mean_of": 8}
+PAPER["layup_paper"] = {  # not searched on its own: LayUp's values, with AdamW as the paper's
+    "optimizer.learning_rate": 0.012, "optimizer.warmup_fraction": 0.2}
 PAPER["gosgd"] = {"optimizer.learning_rate": 0.012, "optimizer.warmup_fraction": 0.2}
 PAPER["diloco"] = {"optimizer.learning_rate": 0.006, "optimizer.warmup_fraction": 0.2,
                    "optimizer.weight_decay": 0.1,
