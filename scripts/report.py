@@ -71,6 +71,7 @@ def collect_budgets(workdirs: list[pathlib.Path]) -> dict:
       runs.append({"algorithm": run["algorithm"], "variant": run["variant"], "seed": run["seed"],
                    "delay": run["delay"], "num_steps": summary["num_steps"],
                    "num_devices": summary["num_devices"],
+                   "samples_per_step": summary.get("samples_per_step"),
                    "final_accuracy": summary["final_eval_accuracy"],
                    "final_loss": summary.get("final_eval_loss"),
                    "tokens_per_sample": summary.get("tokens_per_sample"),
@@ -1060,7 +1061,8 @@ def main() -> None:
                       metavar="NAME=WORKDIR,WORKDIR,...",
                       help="collect one sweep per training budget under NAME (repeatable)")
   parser.add_argument("--batch-size", type=int, default=32,
-                      help="with --budgets: samples per device per step (the config's)")
+                      help="with --budgets: samples per device per step, where the runs' "
+                           "summaries do not say it")
   parser.add_argument("--results", default=str(ROOT / "docs" / "results"))
   parser.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
   args = parser.parse_args()
@@ -1076,7 +1078,9 @@ def main() -> None:
     if not sep:
       sys.exit(f"error: --budgets takes NAME=WORKDIR,WORKDIR,..., got {item!r}")
     collected = collect_budgets([pathlib.Path(w) for w in workdirs.split(",")])
-    collected["meta"]["batch_size"] = args.batch_size
+    first = collected["runs"][0]  # the runs' own batch, where their summaries say it
+    collected["meta"]["batch_size"] = (first["samples_per_step"] // first["num_devices"]
+                                       if first.get("samples_per_step") else args.batch_size)
     (results / f"budgets_{name}.json").write_text(json.dumps(collected, indent=1))
   budgets = {path.stem.removeprefix("budgets_"): json.loads(path.read_text())
              for path in sorted(results.glob("budgets_*.json"))}

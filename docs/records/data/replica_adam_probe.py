@@ -12,6 +12,10 @@ variants:
              halves of its batch (an unbiased estimate of its gradient's variance per
              coordinate), floored at v / 8
   avg_half_n1  the same by-hand AdamW with v itself (the control: it must end where avg does)
+  match_half_n8, match_half_n1  as avg_half_n8 / _n1, but instead of the exact average each
+             parameter is averaged in pairs, a new random perfect matching of the 8 replicas
+             per parameter and step (one peer per step, the mean kept exactly): inexact mixing
+             without the runtime's asynchrony; the test loss is the replicas' mean model's
   avg_diagnose  avg, and beside it the second moment of the mean gradient (what DDP divides
              by): at steps 10, 50, 150 and 300 it prints per parameter the quantiles over
              coordinates of sqrt(v_mean / v_used), replica 0's step length against the
@@ -61,8 +65,15 @@ def half_grads(p, x, y, t):
   noise = jax.tree.map(lambda a: (a[0] - a[1]) ** 2 / 4, gs)
   return losses.mean(), g, noise
 
-if variant.startswith("avg_half_n"):
-  mean_of = int(variant.removeprefix("avg_half_n"))
+def pair_average(a, key):
+  """Each replica's copy averaged with one other's, the pairs a random perfect matching."""
+  order = jax.random.permutation(key, M)
+  partner = jnp.zeros(M, jnp.int32).at[order].set(order.reshape(-1, 2)[:, ::-1].reshape(-1))
+  return (a + a[partner]) / 2
+
+if variant.startswith(("avg_half_n", "match_half_n")):
+  mean_of = int(variant.rsplit("_n", 1)[1])
+  matched = variant.startswith("match")
   schedule = optim.make_schedule(config.optimizer, steps, ds.steps_per_epoch)
   b1, b2, eps, wd = config.optimizer.b1, config.optimizer.b2, config.optimizer.eps, config.optimizer.weight_decay
   P = jax.tree.map(lambda a: jnp.broadcast_to(a, (M,) + a.shape), params)
@@ -81,7 +92,12 @@ if variant.startswith("avg_half_n"):
       d = jnp.maximum(vh - (1 - 1 / mean_of) * sh, vh / mean_of)
       return p - schedule(t) * ((m / c1) / (jnp.sqrt(d) + eps) + wd * p)
     P = jax.tree.map(update, P, m, v, s)
-    P = jax.tree.map(lambda a: jnp.broadcast_to(a.mean(0), a.shape), P)
+    if matched:
+      leaves, treedef = jax.tree.flatten(P)
+      keys = jax.random.split(jax.random.fold_in(jax.random.key(7), t), len(leaves))
+      P = treedef.unflatten([pair_average(a, k) for a, k in zip(leaves, keys)])
+    else:
+      P = jax.tree.map(lambda a: jnp.broadcast_to(a.mean(0), a.shape), P)
     return P, (m, v, s), losses.mean()
 elif variant == "ddp":
   opt = tx.init(params)
@@ -146,7 +162,7 @@ for t in range(steps):
     if (t + 1) in (10, 50, 150, 300):
       diagnose(t + 1, opt, vbar)
   if (t + 1) % 50 == 0 or t + 1 == steps:
-    p0 = P if variant == "ddp" else jax.tree.map(lambda a: a[0], P)
+    p0 = P if variant == "ddp" else jax.tree.map(lambda a: a.mean(0), P)
     curve.append((t + 1, round(test_loss(p0), 4)))
 ds.close()
 print(json.dumps({"variant": variant, "lr": lr, "warmup": warm, "steps": steps, "seed": seed,
