@@ -223,11 +223,12 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   packed_up_to = None if packings else 0  # without packings residuals are only stripped
   policy = REMAT_POLICIES[remat]
 
-  def split_input(s, x):
-    """A stage's input as its halves see it: the activation cut in two, a tied array whole."""
+  def halves_inputs(s, params, x):
+    """A stage's `(params, input)` as its halves see them: the params and a tied array whole
+    (`twice`), the activation cut in two."""
     if model.tie_of(s) is None:
-      return halves(x)
-    return halves(x[0]), twice(x[1])
+      return twice(params), halves(x)
+    return twice(params), (halves(x[0]), twice(x[1]))
 
   def whole_input_grad(s, dx):
     """The halves' input gradient as the previous stage (and a tie's owner) takes it: the
@@ -237,8 +238,8 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
     return whole(dx[0]), dx[1]
 
   def on_halves(apply_one):
-    """`apply_one(p, h, rng) -> (y, new_state)` on both halves at once, from `twice` params
-    and `split_input`: `(y per half, the halves' mean state)`."""
+    """`apply_one(p, h, rng) -> (y, new_state)` on both halves at once, from `halves_inputs`:
+    `(y per half, the halves' mean state)`."""
     def apply(p2, h2, rng):
       y2, states = jax.vmap(apply_one)(p2, h2, jax.random.split(rng))
       return y2, mean_of_halves(states)
@@ -248,8 +249,7 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
     """Stage s's `(grads, dx)` from its forward's residuals (per half under `by_halves`)."""
     if not by_halves:
       return unpack_residuals(vjp, inputs)(dy)
-    params, x = inputs
-    grads, dx = unpack_residuals(vjp, (twice(params), split_input(s, x)))(halves(dy))
+    grads, dx = unpack_residuals(vjp, halves_inputs(s, *inputs))(halves(dy))
     return grads, whole_input_grad(s, dx)
 
   def add_tied_grad(s, grads, tied_grad):
@@ -282,7 +282,7 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
       if policy is not None:
         apply_one = jax.checkpoint(apply_one, policy=policy)
       if by_halves:
-        inputs, apply = (twice(params), split_input(s, x)), on_halves(apply_one)
+        inputs, apply = halves_inputs(s, params, x), on_halves(apply_one)
       else:
         inputs, apply = (params, x), apply_one
       y, vjp, new_state = jax.vjp(lambda p, h: apply(p, h, rng), *inputs, has_aux=True)
@@ -313,7 +313,7 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
       def value_of(p2, h2):
         values, states = jax.vmap(loss_one)(p2, h2, halves(labels), jax.random.split(rng))
         return values.mean(), mean_of_halves(states)
-      inputs = (twice(params), split_input(last, x))
+      inputs = halves_inputs(last, params, x)
     else:
       value_of, inputs = (lambda p, h: loss_one(p, h, labels, rng)), (params, x)
     (value, new_state), grads = jax.value_and_grad(value_of, argnums=argnums,
