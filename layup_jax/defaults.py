@@ -27,8 +27,7 @@ BEFORE_THE_KEY = {"layup.fanout": 1}
 # config's `:<algorithm>` column starts from these (`paper_config`).
 ALGORITHM_SETTINGS = {
     "layup_paper": {"layup.push_sum": "per_model", "model.granularity": "per_layer",
-                    "layup.local_update": "params", "layup.fanout": 1,
-                    "layup.backward_weights": "newest"},
+                    "layup.local_update": "params", "layup.fanout": 1},
 }
 
 
@@ -161,12 +160,6 @@ def get_config() -> ml_collections.ConfigDict:
   # share over its weight, at most max_update_scale).
   config.layup.local_update = "params"
   config.layup.max_update_scale = 4.0  # the numerator form's largest factor of a local step
-  # Where a stage's backward differentiates: "newest", at its params as they are when the
-  # backward runs, a peer's stage merged since its forward included (the paper's implementation:
-  # its backward reads the live weights, Section 6.1's "backward pass on different weights"),
-  # or "forward", at the params its forward ran on (the batch's exact gradient at one point; the
-  # local step still goes onto the newest params).
-  config.layup.backward_weights = "newest"
 
   # The periodic-averaging baselines (layup_jax/algorithms/periodic.py), named as in the paper.
   config.baselines = ml_collections.ConfigDict()

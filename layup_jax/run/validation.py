@@ -82,7 +82,6 @@ def validate_config(config: ml_collections.ConfigDict, num_available_devices: in
   _one_of(config, "layup.bn_policy", options.BN_POLICIES)
   _one_of(config, "layup.push_sum", options.PUSH_SUM)
   _one_of(config, "layup.local_update", options.LOCAL_UPDATES)
-  _one_of(config, "layup.backward_weights", programs.BACKWARD_WEIGHTS)
   _at_least(config, "layup.fanout", 1)
   _require(config.layup.fanout == 1 or config.layup.push_sum == "per_stage", "layup.fanout",
            config.layup.fanout,

@@ -18,7 +18,6 @@ PIN_HOST_THREADS = ("auto", "on", "off")  # config.tuning.pin_host_threads
 CONFIG_KEYS = {
     "seed": "seed", "bn_policy": "layup.bn_policy", "push_sum": "layup.push_sum",
     "gossip": "layup.gossip", "fanout": "layup.fanout", "local_update": "layup.local_update",
-    "backward_weights": "layup.backward_weights",
     "max_update_scale": "layup.max_update_scale", "nonfinite": "faults.nonfinite",
     "latency_every": "metrics.latency_every", "straggler_device": "straggler.device",
     "straggler_process": "straggler.process",
@@ -49,7 +48,6 @@ class RuntimeOptions:
   gossip: bool
   fanout: int
   local_update: str
-  backward_weights: str
   max_update_scale: float
   max_dispatch_ahead: int
   max_sends_in_flight: int

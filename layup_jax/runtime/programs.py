@@ -26,9 +26,6 @@ PyTree = Any
 # VJP asks for; "dots" only the outputs of matrix multiplications and convolutions, the
 # elementwise work (normalization, activations) being recomputed in the backward; "full" only
 # the stage's input, the whole stage being recomputed.
-# Where a stage's backward differentiates (`layup.backward_weights`): at the stage's newest
-# params, merges since its forward included (the paper's), or at the params its forward ran on.
-BACKWARD_WEIGHTS = ("newest", "forward")
 REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_saveable,
                   "full": jax.checkpoint_policies.nothing_saveable}
 
@@ -139,23 +136,19 @@ class StageSteps:
                         (grads, None) so that XLA drops the unused input gradient.
   add_tied[s]:          (grads, tied_grad) -> grads, for the owner stage of a tie.
   read_tied[s]:         (owner's params) -> the tied array, for the consumer stage of a tie.
-  backward_update[s]:   (vjp, (params, x), newest, dy, opt_state, step, first_nonfinite,
-                        scale, tied_grad)
-                        -> (new params, new opt_state, first_nonfinite, dx): the backward at
-                        `params` and the local update of `newest` (the stage as it is now,
-                        merges since the forward in it; the same array where none came) in
-                        one program (with `update`; else empty), so the gradient is never a
-                        separate array; `tied_grad` is None but for a tie's owner. The Optax
-                        state is donated.
+  backward_update[s]:   (vjp, (params, x), dy, opt_state, step, first_nonfinite, scale,
+                        tied_grad)
+                        -> (new params, new opt_state, first_nonfinite, dx): the backward and
+                        the stage's local update in one program (with `update`; else empty),
+                        so the gradient is never a separate array; `tied_grad` is None but
+                        for a tie's owner. The Optax state is donated.
   loss_update:          (params, state, x, labels, stage_key, iteration, opt_state, step,
                         first_nonfinite, scale) -> (loss, new_state, new params, new opt_state,
                         first_nonfinite, dx): the loss stage's forward, backward and update in
                         one program (with `update`).
   backward_update_mix[s], loss_update_mix (with `update` and `merge_state`): the same
-                        programs with a peer's received stage mixed into `newest` first
-                        (`mixing.merge`), so that no merge program of its own is needed (with
-                        `backward_weights="newest"` the backward then runs at the mixed stage,
-                        `params` unused):
+                        programs with a peer's received stage mixed into the stage first
+                        (`mixing.merge`), so that no merge program of its own is needed:
                         backward_update_mix takes `(..., tied_grad, state, received,
                         receiver_share)` and also returns the stage's state (mixed where it
                         travels); loss_update_mix takes `(params, state, received,
@@ -200,8 +193,7 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
                      state_packings: Sequence[StagePacking | None] | None = None,
                      remat: str = "none", update: Callable | None = None,
                      merge_state: Sequence[bool] | None = None,
-                     chain_forwards: bool = False, by_halves: bool = False,
-                     backward_weights: str = "newest") -> StageSteps:
+                     chain_forwards: bool = False, by_halves: bool = False) -> StageSteps:
   """The jitted per-stage functions; `keep_finite_state` keeps a stage's old BatchNorm
   statistics wherever a batch made the new ones non-finite (for skipped non-finite steps);
   `packings` (one per stage) makes them take and return flat params and gradients, and
@@ -217,13 +209,7 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   gradient as the halves contributed it, `(2, ...)`, for an update that measures its
   gradient's noise (`local_update(by_halves=True)`): a tied array is seen by both halves whole,
   BatchNorm normalizes each half by its own statistics and keeps their mean, and the halves
-  draw their dropout apart. `backward_weights` says where a fused backward that mixes in a
-  received stage differentiates: "newest", at the stage as mixed (the paper's implementation,
-  whose backward reads the live weights), or "forward", at the `params` it is given (the
-  forward's)."""
-  if backward_weights not in BACKWARD_WEIGHTS:
-    raise ValueError(f"backward_weights must be one of {BACKWARD_WEIGHTS}, "
-                     f"got {backward_weights!r}")
+  draw their dropout apart."""
   if remat not in REMAT_POLICIES:
     raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
   last = model.num_stages - 1
@@ -346,26 +332,23 @@ def make_stage_steps(model: StagedModel, keep_finite_state: bool = False,
   def make_backward_update(s, mix):
     tie = next((t for t in model.ties if t.owner == s), None)
 
-    def backward_update(vjp, inputs, params, dy, opt_state, step, first_nonfinite, scale,
-                        tied_grad):
+    def backward_update(vjp, inputs, dy, opt_state, step, first_nonfinite, scale, tied_grad):
       grads, dx = stage_vjp(s, vjp, inputs, dy)
       if tie is not None:
         grads = add_tied_grad(s, grads, tied_grad)
-      params, opt_state, first_nonfinite = update(params, opt_state, grads, step,
+      params, opt_state, first_nonfinite = update(inputs[0], opt_state, grads, step,
                                                   first_nonfinite, scale)
       return params, opt_state, first_nonfinite, (None if s == 0 else dx)
 
-    def backward_update_mix(vjp, inputs, params, dy, opt_state, step, first_nonfinite, scale,
-                            tied_grad, state, received, share):
-      params, state = mix_received(params, state, received, share, merge_state[s])
-      if backward_weights == "newest":  # the backward on the stage as mixed
-        inputs = (params, inputs[1])
-      return (*backward_update(vjp, inputs, params, dy, opt_state, step, first_nonfinite,
+    def backward_update_mix(vjp, inputs, dy, opt_state, step, first_nonfinite, scale, tied_grad,
+                            state, received, share):
+      params, state = mix_received(inputs[0], state, received, share, merge_state[s])
+      return (*backward_update(vjp, (params, inputs[1]), dy, opt_state, step, first_nonfinite,
                                scale, tied_grad), state)
 
     if mix:
-      return jax.jit(backward_update_mix, donate_argnums=(4,))
-    return jax.jit(backward_update, donate_argnums=(4,))
+      return jax.jit(backward_update_mix, donate_argnums=(3,))
+    return jax.jit(backward_update, donate_argnums=(3,))
 
   fused: dict[tuple, Callable] = {}
 

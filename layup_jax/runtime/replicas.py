@@ -135,11 +135,7 @@ class ReplicaStore:
                                   remat=options.remat, update=step_fn,
                                   merge_state=self._merge_state,
                                   chain_forwards=options.chain_forwards,
-                                  by_halves=self.by_halves,
-                                  backward_weights=options.backward_weights)
-    # Whether a stage's backward differentiates at the params its forward ran on (each
-    # iteration's `DeviceStages` keeps them) rather than at the newest (`layup.backward_weights`).
-    self.backward_at_forward = options.backward_weights == "forward"
+                                  by_halves=self.by_halves)
     # Donated: the Optax state and the gradient, which only the update reads (the new params
     # take the gradient's buffer; a gradient per half has no params' shape, so is not given).
     # Params are never donated: forwards, backwards and sends read them; nor is a received
@@ -501,33 +497,18 @@ class DeviceStages:
     self.store, self.i, self.step, self.fused = store, i, step, fused
     self.replica = store.replicas[i]
     self.steps = store.steps
-    # The params each stage's forward ran on, until its backward (`layup.backward_weights`
-    # "forward"; a merge meanwhile replaces the stage's array, never changes this one).
-    self._forward_params: dict[int, PyTree] = {}
 
   def read(self, s):
-    return self.replica.params[s]
-
-  def _forward_ran_on(self, s, params):
-    if self.store.backward_at_forward:
-      self._forward_params[s] = params
-    return params
-
-  def _backward_at(self, s):
-    """The params stage s's backward differentiates at: its forward's, or the newest."""
-    if self.store.backward_at_forward:
-      return self._forward_params.pop(s)
     return self.replica.params[s]
 
   def forward(self, s, x, key, iteration):
     store, replica = self.store, self.replica
     if not store._has_state[s]:  # writes nothing: no lock
-      y, _, vjp = self.steps.forward[s](self._forward_ran_on(s, replica.params[s]),
-                                        replica.state[s], x, key, iteration)
+      y, _, vjp = self.steps.forward[s](replica.params[s], replica.state[s], x, key, iteration)
       return y, vjp
     with store._state_locks[self.i][s]:
-      y, replica.state[s], vjp = self.steps.forward[s](
-          self._forward_ran_on(s, replica.params[s]), replica.state[s], x, key, iteration)
+      y, replica.state[s], vjp = self.steps.forward[s](replica.params[s], replica.state[s], x,
+                                                       key, iteration)
     return y, vjp
 
   def forward_chain(self, x, keys, iteration):
@@ -538,9 +519,8 @@ class DeviceStages:
     for lock in locks:
       lock.acquire()
     try:
-      params = [self._forward_ran_on(s, replica.params[s]) for s in range(last)]
-      inputs, y, states, vjps = chain_forwards(self.steps, params, replica.state[:last], x,
-                                               keys, iteration)
+      inputs, y, states, vjps = chain_forwards(self.steps, replica.params[:last],
+                                               replica.state[:last], x, keys, iteration)
       for s in range(last):
         if store._has_state[s]:
           replica.state[s] = states[s]
@@ -577,14 +557,14 @@ class DeviceStages:
   def backward(self, s, vjp, x, dy, tied_grad):
     store, i, replica, steps = self.store, self.i, self.replica, self.steps
     if not self.fused:
-      return backward_grads(steps, s, vjp, self._backward_at(s), x, dy, tied_grad)
+      return backward_grads(steps, s, vjp, replica.params[s], x, dy, tied_grad)
     order, so_far = store._open_checks[i]
     mixing = store._inbox[i][s] is not None  # one arriving now waits for the next program
     with store._stage_locks(i, s, params=True, state=mixing and store._merge_state[s]):
       held = store._take_inbox(i, s) if mixing else None
       scale = store.update_scale(i, s, held[2] if held else 0.0)
-      args = (vjp, (self._backward_at(s), x), replica.params[s], dy, replica.opt_state[s],
-              self.step, so_far, scale, tied_grad)
+      args = (vjp, (replica.params[s], x), dy, replica.opt_state[s], self.step, so_far, scale,
+              tied_grad)
       if held is None:
         replica.params[s], replica.opt_state[s], so_far, dx = steps.backward_update[s](*args)
       else:

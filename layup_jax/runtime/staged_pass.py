@@ -47,9 +47,8 @@ def staged_pass(model: StagedModel, steps: StageSteps, ops: StageOps, x: jax.Arr
                 on_stage: Callable[[int], None] = lambda stage_idx: None):
   """One forward and backward pass, dispatched stage by stage (paper Algorithm 1, compute side).
 
-  `ops` reads each stage's params when its forward is dispatched, and the runtime's again for
-  its backward (the paper's "backward pass on different weights", Section 6.1) unless
-  `layup.backward_weights` keeps the forward's (runtime/replicas.py `DeviceStages`). `emit(s,
+  Each stage's params are read when its forward and its backward are dispatched, so each uses
+  the freshest ones (the paper's "backward pass on different weights", Section 6.1). `emit(s,
   out)` is called as soon as stage s's backward is dispatched, last stage first, with what
   `ops` returned for it (its gradient, or its updated params where `ops` applies the local
   update in the backward's program); `stage_keys[s]` is `stage_key(key, s)`. Returns `(loss,

@@ -123,7 +123,7 @@ class CompileStages:
     params = self.replica.params[s]
     if not self.fused:
       return backward_grads(self.steps, s, vjp, params, x, dy, tied_grad)
-    args = lambda: (vjp, (params, x), params, dy, _copy(self.replica.opt_state[s]), self.step,
+    args = lambda: (vjp, (params, x), dy, _copy(self.replica.opt_state[s]), self.step,
                     self.no_check, self.store.update_scale(self.i, s), tied_grad)
     if self.mixes:
       self.outputs.append(self.steps.backward_update_mix[s](*args(), self.replica.state[s],
