@@ -832,6 +832,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"error: the first argument is a mode, one of {', '.join(MODES)} "
           f"(got {argv[0] if argv else 'none'}); see --help", file=sys.stderr)
     sys.exit(2)
+  # A drill stopped with SIGTERM (kill, a scheduler's timeout) ends as one stopped by Ctrl-C:
+  # its clean-up runs, so its training processes stop with it and churn's outputs are kept.
+  signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
   {"kill-resume": main_kill_resume, "elastic": main_elastic,
    "vanish": main_vanish, "churn": main_churn}[argv[0]](argv[1:])
 

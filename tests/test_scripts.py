@@ -113,3 +113,40 @@ def test_bench_gpu_refuses_a_before_tree_that_is_not_a_checkout_in_one_line(tmp_
   assert done.stderr.startswith("error: BEFORE must be another checkout of the project")
   assert not (tmp_path / "out").exists()
 
+
+
+def _children(pid: int) -> list[int]:
+  """The live processes whose parent is `pid` (Linux's /proc)."""
+  found = []
+  for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+    try:
+      fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:  # ended meanwhile
+      continue
+    if int(fields[1]) == pid and fields[0] != "Z":
+      found.append(int(stat.parent.name))
+  return found
+
+
+def test_a_churn_drill_stopped_by_sigterm_stops_its_processes_and_keeps_their_outputs(tmp_path):
+  # Stopped from outside (kill, a scheduler's timeout), the drill must not leave its training
+  # processes running, and must write what each start said: the only record of a stall.
+  out = tmp_path / "churn.json"
+  drill = subprocess.Popen(
+      [os.sys.executable, str(SCRIPTS / "drill_process_loss.py"), "churn", "--mtbf-s", "1000",
+       "--num-steps", "100000", "--no-uninterrupted", "--out", str(out)],
+      cwd=SCRIPTS.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  started = []
+  for _ in range(600):  # the coordinator and the 3 training processes
+    started = _children(drill.pid)
+    if len(started) >= 4 or drill.poll() is not None:
+      break
+    subprocess.run(["sleep", "0.1"])
+  assert len(started) >= 4, drill.stderr.read() if drill.poll() is not None else started
+  drill.terminate()
+  assert drill.wait(timeout=120) == 128 + 15
+  assert [pid for pid in started if pathlib.Path(f"/proc/{pid}").exists()
+          and "Z" not in (pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1]
+                          .split()[:1])] == []
+  logs = sorted(p.name for p in (tmp_path / "churn.json.logs").iterdir())
+  assert logs == [f"start_{k}_process_{k}.log" for k in range(3)]
