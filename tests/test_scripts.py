@@ -7,6 +7,8 @@ import json
 import os
 import pathlib
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -114,18 +116,25 @@ def test_bench_gpu_refuses_a_before_tree_that_is_not_a_checkout_in_one_line(tmp_
   assert not (tmp_path / "out").exists()
 
 
+def _state_and_parent(pid: int) -> tuple[str, int] | None:
+  """Process `pid`'s state letter and parent (Linux's /proc), or None once it is gone."""
+  try:
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+  except OSError:
+    return None
+  return fields[0], int(fields[1])
+
+
+def _alive(pid: int) -> bool:
+  found = _state_and_parent(pid)
+  return found is not None and found[0] != "Z"
+
 
 def _children(pid: int) -> list[int]:
-  """The live processes whose parent is `pid` (Linux's /proc)."""
-  found = []
-  for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-    try:
-      fields = stat.read_text().rsplit(")", 1)[1].split()
-    except OSError:  # ended meanwhile
-      continue
-    if int(fields[1]) == pid and fields[0] != "Z":
-      found.append(int(stat.parent.name))
-  return found
+  """The live processes whose parent is `pid`."""
+  found = ((int(p.name), _state_and_parent(int(p.name)))
+           for p in pathlib.Path("/proc").iterdir() if p.name.isdigit())
+  return [k for k, seen in found if seen is not None and seen[0] != "Z" and seen[1] == pid]
 
 
 def test_a_churn_drill_stopped_by_sigterm_stops_its_processes_and_keeps_their_outputs(tmp_path):
@@ -133,7 +142,7 @@ def test_a_churn_drill_stopped_by_sigterm_stops_its_processes_and_keeps_their_ou
   # processes running, and must write what each start said: the only record of a stall.
   out = tmp_path / "churn.json"
   drill = subprocess.Popen(
-      [os.sys.executable, str(SCRIPTS / "drill_process_loss.py"), "churn", "--mtbf-s", "1000",
+      [sys.executable, str(SCRIPTS / "drill_process_loss.py"), "churn", "--mtbf-s", "1000",
        "--num-steps", "100000", "--no-uninterrupted", "--out", str(out)],
       cwd=SCRIPTS.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   started = []
@@ -141,12 +150,10 @@ def test_a_churn_drill_stopped_by_sigterm_stops_its_processes_and_keeps_their_ou
     started = _children(drill.pid)
     if len(started) >= 4 or drill.poll() is not None:
       break
-    subprocess.run(["sleep", "0.1"])
+    time.sleep(0.1)
   assert len(started) >= 4, drill.stderr.read() if drill.poll() is not None else started
   drill.terminate()
   assert drill.wait(timeout=120) == 128 + 15
-  assert [pid for pid in started if pathlib.Path(f"/proc/{pid}").exists()
-          and "Z" not in (pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1]
-                          .split()[:1])] == []
+  assert [pid for pid in started if _alive(pid)] == []
   logs = sorted(p.name for p in (tmp_path / "churn.json.logs").iterdir())
   assert logs == [f"start_{k}_process_{k}.log" for k in range(3)]
