@@ -11,6 +11,7 @@ ahead of it, as every device but the first does in the serial rounds of
 """
 
 import argparse
+import ast
 import collections
 import json
 import os
@@ -20,6 +21,7 @@ import threading
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import layup_jax  # noqa: E402
+from layup_jax import defaults  # noqa: E402
 from layup_jax.runtime import replicas, sends  # noqa: E402
 
 LAGS: collections.Counter = collections.Counter()
@@ -79,14 +81,8 @@ def main() -> None:
   args = parser.parse_args()
   config = layup_jax.load_config(args.config, args.algorithm)
   config.num_steps, config.eval_every, config.progress_bar = args.steps, 0, False
-  for item in args.set:
-    key, value = item.split("=", 1)
-    *path, last = key.split(".")
-    section = config
-    for part in path:
-      section = section[part]
-    old = section[last]
-    section[last] = (value == "True") if isinstance(old, bool) else type(old)(value)
+  defaults.set_values(config, {key: ast.literal_eval(value)
+                                for key, value in (item.split("=", 1) for item in args.set)})
   _patch()
   with tempfile.TemporaryDirectory() as workdir:
     layup_jax.train(config, workdir)

@@ -16,6 +16,7 @@ ran before it in the round.
 """
 
 import argparse
+import ast
 import os
 import random
 
@@ -24,6 +25,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 import layup_jax  # noqa: E402
+from layup_jax import defaults  # noqa: E402
 from layup_jax.runtime import engine  # noqa: E402
 
 ROUNDS = {"value": "serial"}
@@ -56,14 +58,8 @@ def main():
   args = parser.parse_args()
   ROUNDS["value"] = args.rounds
   config = layup_jax.load_config(args.config, args.algorithm)
-  for item in args.set:
-    key, value = item.split("=", 1)
-    section = config
-    *path, last = key.split(".")
-    for part in path:
-      section = section[part]
-    section[last] = type(section[last])(value) if not isinstance(section[last], bool) else (
-        value == "True")
+  defaults.set_values(config, {key: ast.literal_eval(value)
+                                for key, value in (item.split("=", 1) for item in args.set)})
   config.progress_bar = False
   engine.AsyncRuntime.run_until = serial_run_until
   summary = layup_jax.train(config, args.workdir)
