@@ -63,7 +63,7 @@ def main():
   config.progress_bar = False
   engine.AsyncRuntime.run_until = serial_run_until
   summary = layup_jax.train(config, args.workdir)
-  print({k: summary[k] for k in ("final_test_loss",) if k in summary} or summary)
+  print(f"final test loss {summary['final_eval_loss']:.4f}")
 
 
 if __name__ == "__main__":
