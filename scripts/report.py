@@ -83,6 +83,28 @@ def collect_budgets(workdirs: list[pathlib.Path]) -> dict:
   return {"meta": {**meta, "commands": commands}, "runs": runs}
 
 
+def budget_run_key(run: dict) -> tuple:
+  return (run["algorithm"], run["variant"], run["seed"], run["delay"], run["num_steps"])
+
+
+def merge_budgets(before: dict, collected: dict) -> dict:
+  """The runs collected now, and those of an earlier collection (`docs/results/budgets_*.json`)
+  that they do not repeat: a sweep's workdirs (`runs/`) are not kept in the repository, so a
+  budget sweep finished in parts on different checkouts is still one table. A run collected
+  now replaces the earlier one of the same method, variant, seed, delay and budget; each keeps
+  its own code version. The earlier meta's hand-written note stays; the commands and their
+  code versions are the union of both."""
+  fresh = {budget_run_key(run) for run in collected["runs"]}
+  kept = [run for run in before["runs"] if budget_run_key(run) not in fresh]
+  commands = before["meta"].get("commands", [])
+  commands += [c for c in collected["meta"]["commands"] if c not in commands]
+  meta = {**collected["meta"], **{k: v for k, v in before["meta"].items() if k == "note"},
+          "commands": commands,
+          "code_versions": {**before["meta"].get("code_versions", {}),
+                            **collected["meta"].get("code_versions", {})}}
+  return {"meta": meta, "runs": kept + collected["runs"]}
+
+
 def budget_task(runs: list[dict], batch_size: int) -> dict:
   """What a budget table measures: accuracy against samples seen, or for a language model
   (runs with tokens per sample) test loss against tokens seen, with its targets."""
@@ -1078,10 +1100,13 @@ def main() -> None:
     if not sep:
       sys.exit(f"error: --budgets takes NAME=WORKDIR,WORKDIR,..., got {item!r}")
     collected = collect_budgets([pathlib.Path(w) for w in workdirs.split(",")])
+    path = results / f"budgets_{name}.json"
+    if path.exists():  # the runs collected before whose workdirs are gone stay on the page
+      collected = merge_budgets(json.loads(path.read_text()), collected)
     first = collected["runs"][0]  # the runs' own batch, where their summaries say it
     collected["meta"]["batch_size"] = (first["samples_per_step"] // first["num_devices"]
                                        if first.get("samples_per_step") else args.batch_size)
-    (results / f"budgets_{name}.json").write_text(json.dumps(collected, indent=1))
+    path.write_text(json.dumps(collected, indent=1))
   budgets = {path.stem.removeprefix("budgets_"): json.loads(path.read_text())
              for path in sorted(results.glob("budgets_*.json"))}
   names = sorted(path.stem.removeprefix("sweep_") for path in results.glob("sweep_*.json"))

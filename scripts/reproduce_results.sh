@@ -145,7 +145,9 @@ lm_search() {
 lm_budgets() {
   # Each method with its searched values at 3 budgets x 3 seeds (seed 0 first at every budget,
   # so that a partial sweep already compares every method); an evaluation every 5 % of the
-  # largest run, so each run's curve of test loss against tokens is on the page.
+  # largest run, so each run's curve of test loss against tokens is on the page. The report
+  # keeps the runs already in docs/results/budgets_*.json that this sweep does not rerun, so
+  # METHODS=... adds methods to the table without rerunning the others.
   for seeds in 0 "1 2"; do
     for steps in $LM_BUDGETS; do
       python scripts/sweep.py --config $LM --workdir $SWEEPS/stdlib_gpt2_mini_budget$steps \

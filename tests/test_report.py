@@ -156,6 +156,28 @@ def test_the_budget_table_has_a_row_per_method_and_variant_with_its_settings_and
   assert lines[-1] == "**Note**: one_peer ran at an older commit"
 
 
+def test_a_budget_sweep_collected_in_parts_keeps_the_earlier_runs_and_replaces_a_rerun():
+  report = _script("report")
+
+  def run(algorithm, seed, loss, version):
+    return {"algorithm": algorithm, "variant": "", "seed": seed, "delay": 0.0, "num_steps": 100,
+            "final_loss": loss, "code_version": version}
+
+  before = {"meta": {"commands": ["sweep a"], "code_versions": {"sweep a": "old1234"},
+                     "note": "written by hand"},
+            "runs": [run("ddp", 0, 3.0, "old1234"), run("layup", 0, 2.9, "old1234")]}
+  now = {"meta": {"commands": ["sweep b"], "code_versions": {"sweep b": "new5678"}},
+         "runs": [run("layup", 0, 2.8, "new5678"), run("gosgd", 0, 3.1, "new5678")]}
+  merged = report.merge_budgets(before, now)
+  by_key = {(r["algorithm"], r["seed"]): r for r in merged["runs"]}
+  assert len(merged["runs"]) == 3
+  assert by_key[("ddp", 0)]["code_version"] == "old1234"  # kept: its workdir is gone
+  assert by_key[("layup", 0)]["final_loss"] == 2.8  # the rerun replaces the earlier run
+  assert merged["meta"]["note"] == "written by hand"
+  assert merged["meta"]["commands"] == ["sweep a", "sweep b"]
+  assert merged["meta"]["code_versions"] == {"sweep a": "old1234", "sweep b": "new5678"}
+
+
 def test_a_language_models_budget_table_gives_tokens_to_the_target_loss_and_the_claim():
   report = _script("report")
   finals = {"ddp": (2.40, 2.10, 1.95), "layup": (2.35, 2.08, 1.955)}
