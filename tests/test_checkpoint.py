@@ -140,6 +140,27 @@ def test_each_devices_unit_is_a_row_of_one_array_per_dtype_read_back_per_device_
   checkpoints.close()
 
 
+def test_the_only_writer_left_of_several_processes_writes_its_rows_as_host_arrays(
+    tmp_path, monkeypatch):
+  """An elastic run down to one writing process (the others lost, or rejoined, which write
+  none): its rows, every row of the checkpoint, would be an array one process addresses whole,
+  which Orbax refuses across processes ("Cannot serialize host local jax.Array": the run's
+  final save failed). They go as host arrays, and read back as every row."""
+  devices = jax.devices()[:2]
+  units = [{"w": jax.device_put(np.full((2, 3), k, np.float32), d)}
+           for k, d in enumerate(devices)]
+  monkeypatch.setattr(layout, "_several_processes", lambda: True)
+  packed = layout.pack({"replicas": DeviceRows(units, 0, 2, devices)})["replicas"]
+  assert type(packed["float32"]) is np.ndarray and packed["float32"].shape == (2, 6)
+  checkpoints = Checkpoints(tmp_path / "checkpoints", keep=1)
+  checkpoints.save(1, {"replicas": DeviceRows(units, 0, 2, devices)}, {})
+  checkpoints.wait()
+  got = checkpoints.restore(lambda meta: {"replicas": DeviceRows(units)})[1]["replicas"]
+  assert [float(u["w"][0, 0]) for u in got] == [0.0, 1.0]
+  assert [u["w"].devices() for u in got] == [{d} for d in devices]
+  checkpoints.close()
+
+
 def test_a_checkpoint_of_an_earlier_format_is_refused_in_one_line_and_kept(tmp_path):
   runtime = make_layup_runtime(2)
   checkpoints = Checkpoints(tmp_path / "checkpoints", keep=2)

@@ -64,16 +64,29 @@ def _pack_unit(unit: PyTree) -> dict[str, np.ndarray]:
   return {dtype: np.concatenate(parts) for dtype, parts in groups.items()}
 
 
+def _several_processes() -> bool:
+  return jax.process_count() > 1
+
+
 def _pack_rows(rows: DeviceRows) -> dict[str, jax.Array]:
   """Per dtype, this process's units as its rows of a (total, size) array over the run's
-  devices (each row on its own device: Orbax writes the rows a process can address)."""
+  devices (each row on its own device: Orbax writes the rows a process can address).
+
+  Across processes, one process that holds every row (the only writer left: the others lost,
+  or rejoined, which write none) writes them as one host array: Orbax refuses an array that
+  one process addresses whole in a run of several ("host local"), and such a checkpoint, of
+  fewer devices than the run's, is always read back to the host (`restore_template`)."""
   packed = [_pack_unit(unit) for unit in rows]
-  sharding = rows.rows_sharding()
+  alone = _several_processes() and len(rows) == rows.total
+  sharding = None if alone else rows.rows_sharding()
   out = {}
   for dtype in sorted({d for unit in packed for d in unit}):
     flats = [unit[dtype] for unit in packed]
     if len({flat.size for flat in flats}) > 1:
       raise ValueError(f"device rows of {dtype} differ in size: {[f.size for f in flats]}")
+    if alone:
+      out[dtype] = np.stack(flats)
+      continue
     shards = [jax.device_put(flat[None], rows.devices[rows.first + k])
               for k, flat in enumerate(flats)]
     out[dtype] = jax.make_array_from_single_device_arrays(
