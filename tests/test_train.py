@@ -136,3 +136,26 @@ def test_a_signal_saves_a_checkpoint_and_exits_0(tmp_path, signum):
   assert f"resumed from the checkpoint {tmp_path}/checkpoints/{saved[0]}" in resumed.stderr
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["resumed_from_step"] == saved[0] and summary["num_steps"] == saved[0] + 10
+
+
+def test_a_run_that_fails_ends_with_its_own_error_when_closing_fails_too(tiny_config, tmp_path,
+                                                                        monkeypatch, capsys):
+  """A restarted process that was not given its share fails (RejoinError); its receiver thread,
+  blocked on a peer that is gone, then made the close fail as well, and that error had been the
+  process's last line. The run's error is what it ends with; the close's is a note."""
+  from layup_jax.errors import RejoinError
+
+  class Failing:
+    def __init__(self, config, workdir):
+      pass
+
+    def restore(self):
+      raise RejoinError("no live device gave this process its share within 120 s")
+
+    def close(self):
+      raise RuntimeError("threads did not stop: ['layup-receiver-1']")
+
+  monkeypatch.setattr(runner, "Session", Failing)
+  with pytest.raises(RejoinError, match="its share"):
+    runner.run(tiny_config, tmp_path)
+  assert "closing the failed run also failed (threads did not stop" in capsys.readouterr().err

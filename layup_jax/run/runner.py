@@ -44,9 +44,22 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path,
     if config.checkpoint.enabled:
       hooks.append(Every(config.checkpoint.every, session.save))
     step = session.train(hooks, should_stop)  # the loop
-    if step < session.num_steps and not session.stopped_at_target:
-      return session.stop(step)
-    session.finish(step)
-  finally:
+    stopped = step < session.num_steps and not session.stopped_at_target
+    result = session.stop(step) if stopped else None
+    if not stopped:
+      session.finish(step)
+  except BaseException:
+    _close_after(session)
+    raise
+  session.close()
+  return result if stopped else session.summary(code_version)
+
+
+def _close_after(session: Session) -> None:
+  """Closes a session whose run failed. The run's own error is the one its process ends with:
+  a thread still blocked by what failed (a receiver's pull from a peer that is gone) would make
+  the close fail too, and that error would replace the first as the process's last line."""
+  try:
     session.close()
-  return session.summary(code_version)
+  except Exception as error:  # noqa: BLE001 - said, not raised: the run's error follows
+    print(f"note: closing the failed run also failed ({error})", file=sys.stderr, flush=True)
