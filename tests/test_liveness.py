@@ -174,6 +174,26 @@ def test_sends_never_acknowledged_accuse_the_receiver_and_quiesce_ends_at_its_lo
   assert not members.idle() or not members.training  # its wait is over
 
 
+def test_a_process_admitted_back_reads_the_live_processes_addresses_afresh(elastic):
+  """Two restarts waiting at once: process 2 read process 1's transfer address at its start,
+  then process 1 was started again too and admitted first. Admitted itself, process 2 must
+  pull from process 1's new server (it gives 2 its share): at admission it reads the addresses
+  of every live process again, and drops its connections to the old ones; a process still
+  lost keeps its entry (it is read again when that process is admitted)."""
+  store, _ = elastic
+  peers = object.__new__(remote_peers.RemotePeers)
+  peers._me, peers._client, peers._lock = 2, store, threading.Lock()
+  peers._process_of, peers.lost = [0, 0, 1, 1, 2, 2], set()
+  peers._addresses = {0: "host:100", 1: "host:101 (earlier run)", 2: "host:102"}
+  peers._connections = {0: "to 100", 1: "to 101 (earlier run)"}
+  for k, address in ((0, "host:100"), (1, "host:201"), (2, "host:102")):
+    store.key_value_set(f"layup_jax/transfer/{k}", address)
+  peers.lost = {0}  # the admission's: process 0 is lost now
+  peers.readdress()
+  assert peers._addresses == {0: "host:100", 1: "host:201", 2: "host:102"}
+  assert peers._connections == {0: "to 100"}
+
+
 def test_a_sender_past_the_bound_of_malformed_sends_is_accused_once(elastic, capsys):
   store, members = elastic
   members.max_dropped_sends = 3

@@ -171,6 +171,18 @@ class RemotePeers:
       self._joins[process] += 1
     self.lost = self.lost - {process}
 
+  def readdress(self) -> None:
+    """This process, admitted back: every live process's transfer address as the store holds
+    it now. Read at this process's start, a process that was itself started again after that
+    (two restarts waiting at once) had the address of its earlier run, gone with it: every pull
+    from it blocked, the share it gave this process among them (a churn drill's stall)."""
+    for process in self.other_processes():
+      if process not in self.lost:
+        address = self._client.blocking_key_value_get(_address_key(process), 10_000)
+        with self._lock:
+          self._addresses[process] = address
+          self._connections.pop(process, None)
+
   def forget(self, process: int) -> None:
     """The leader, admitting `process` back: deletes every notice and acknowledgement between
     its earlier run and the others (no process sends or receives at this point)."""

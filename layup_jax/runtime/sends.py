@@ -207,9 +207,11 @@ class Transport:
     self._remote.forget(process)
 
   def set_lost(self, processes) -> None:
-    """A process that rejoined: the processes still lost."""
+    """A process that rejoined: the processes still lost; the others' addresses as they are
+    now (`RemotePeers.readdress`)."""
     if self._remote is not None:
       self._remote.lost = set(processes)
+      self._remote.readdress()
 
   def give(self, peer: int, s: int, part: PyTree, amount: float) -> None:
     """Sends the computed `part` uncompressed to another process's device `peer` with push-sum
