@@ -98,7 +98,9 @@ def merge_budgets(before: dict, collected: dict) -> dict:
   kept = [run for run in before["runs"] if budget_run_key(run) not in fresh]
   commands = before["meta"].get("commands", [])
   commands += [c for c in collected["meta"]["commands"] if c not in commands]
+  dates = sorted({before["meta"].get("date"), collected["meta"].get("date")} - {None})
   meta = {**collected["meta"], **{k: v for k, v in before["meta"].items() if k == "note"},
+          **({"date": " and ".join(dates)} if dates else {}),
           "commands": commands,
           "code_versions": {**before["meta"].get("code_versions", {}),
                             **collected["meta"].get("code_versions", {})}}

@@ -164,9 +164,10 @@ def test_a_budget_sweep_collected_in_parts_keeps_the_earlier_runs_and_replaces_a
             "final_loss": loss, "code_version": version}
 
   before = {"meta": {"commands": ["sweep a"], "code_versions": {"sweep a": "old1234"},
-                     "note": "written by hand"},
+                     "note": "written by hand", "date": "2026-12-07"},
             "runs": [run("ddp", 0, 3.0, "old1234"), run("layup", 0, 2.9, "old1234")]}
-  now = {"meta": {"commands": ["sweep b"], "code_versions": {"sweep b": "new5678"}},
+  now = {"meta": {"commands": ["sweep b"], "code_versions": {"sweep b": "new5678"},
+                  "date": "2026-12-08"},
          "runs": [run("layup", 0, 2.8, "new5678"), run("gosgd", 0, 3.1, "new5678")]}
   merged = report.merge_budgets(before, now)
   by_key = {(r["algorithm"], r["seed"]): r for r in merged["runs"]}
@@ -174,6 +175,7 @@ def test_a_budget_sweep_collected_in_parts_keeps_the_earlier_runs_and_replaces_a
   assert by_key[("ddp", 0)]["code_version"] == "old1234"  # kept: its workdir is gone
   assert by_key[("layup", 0)]["final_loss"] == 2.8  # the rerun replaces the earlier run
   assert merged["meta"]["note"] == "written by hand"
+  assert merged["meta"]["date"] == "2026-12-07 and 2026-12-08"  # each run's day is on the page
   assert merged["meta"]["commands"] == ["sweep a", "sweep b"]
   assert merged["meta"]["code_versions"] == {"sweep a": "old1234", "sweep b": "new5678"}
 
