@@ -312,3 +312,36 @@ def test_a_new_leader_reads_the_names_an_earlier_leader_wrote(store, monkeypatch
   members.refresh(store)
   assert members.leader == 1
   assert gathers.all_gather_json("one") == ["zero", "one", "two"]
+
+
+def test_a_restarted_process_not_yet_admitted_takes_no_notice_of_a_loss(monkeypatch):
+  """Processes 1 and 2 lost together; 1 is admitted back, 2 still waits; then the leader,
+  process 0, is lost. Process 2 never heard of 1's rejoin, so its view held every process lost,
+  and its reaction to the loss divided by 0 live devices (`Fraction(6, 0)`: found in a churn
+  drill, the watchdog thread died and the restart with it). A process not yet admitted takes
+  no notice: its admission gives it the run's view."""
+  from fractions import Fraction
+  from types import SimpleNamespace
+
+  from layup_jax.multiprocess.elastic import Elastic
+
+  members = membership.Membership()
+  members.rejoining, members.lost = True, {2: 1503, 1: 1503}
+  monkeypatch.setattr(membership, "members", members)
+  monkeypatch.setattr(jax, "process_index", lambda: 2)
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  told = []
+  runtime = SimpleNamespace(
+      num_devices=2, total_devices=6, iterations_started=lambda: 0,
+      run_devices=[SimpleNamespace(process_index=g // 2) for g in range(6)],
+      transport=SimpleNamespace(lose=told.append), peers=SimpleNamespace(lose=told.append),
+      options=SimpleNamespace(survivors_train_lost_share=True),
+      pace=SimpleNamespace(set_rate=lambda *args: told.append(args)))
+  elastic = Elastic(runtime)
+  members.lost[0] = 1857
+  elastic.on_lost(0, 1857)
+  assert told == []
+  members.rejoining = False  # admitted: a loss reaches the transport, the peers and the pace
+  members.lost = {0: 1857}
+  elastic.on_lost(0, 1857)
+  assert told[:2] == [0, [0, 1]] and told[2][0] == Fraction(6, 4)  # the run's 6 over 4 live

@@ -41,8 +41,11 @@ class Elastic:
 
   def on_lost(self, process: int, step: int) -> None:
     """Process `process` is lost (its watchdog thread says so): nothing goes to its devices or
-    waits for them from now on."""
-    if process == jax.process_index():  # this process, started again: it rejoins (`rejoin`)
+    waits for them from now on. A process started again and not admitted yet takes no notice:
+    its view of who is lost is stale (it never hears of a rejoin it is not part of, so with one
+    more loss it counted every process lost, and its pace divided by 0 live devices), and its
+    admission gives it the run's (`rejoin`)."""
+    if process == jax.process_index() or membership.members.rejoining:
       return
     self.rt.transport.lose(process)
     self.rt.peers.lose(self.devices_of({process}))
