@@ -439,6 +439,7 @@ def main_elastic(argv: list[str]) -> None:
                       help="the coordination service inside process 0 (then not a victim)")
   parser.add_argument("--out", default="bench_elastic.json")
   args = parser.parse_args(argv)
+  stamp = provenance.stamp()  # the code that trains: commits during the drill change none
   if not (0 if not args.no_coordinator else 1) <= args.victim < args.processes:
     parser.error("--victim must be a process of the run, other than 0 with --no-coordinator "
                  "(the service inside process 0: its loss is not survived)")
@@ -451,7 +452,7 @@ def main_elastic(argv: list[str]) -> None:
   if args.kill_during_save:
     print(json.dumps(rows, indent=1))
     with open(args.out, "w") as f:
-      json.dump({**provenance.stamp(), "args": vars(args), "runs": rows}, f, indent=1)
+      json.dump({**stamp, "args": vars(args), "runs": rows}, f, indent=1)
     return
   whole = {r["seed"]: r["final_accuracy"] for r in rows if not r["killed"]}
   killed = [r for r in rows if r["killed"]]
@@ -475,7 +476,7 @@ def main_elastic(argv: list[str]) -> None:
     print(f"\nmean difference {100 * statistics.mean(differences):+.2f} pt over "
           f"{len(differences)} seeds")
   with open(args.out, "w") as f:
-    json.dump({**provenance.stamp(), "args": vars(args), "runs": rows}, f, indent=1)
+    json.dump({**stamp, "args": vars(args), "runs": rows}, f, indent=1)
 
 
 # --- churn --------------------------------------------------------------------------------------
@@ -708,6 +709,7 @@ def main_churn(argv: list[str]) -> None:
     parser.error("--mtbf-s must be > 0 and --processes >= 2")
   gossip = args.algorithm in ("layup", "layup_paper", "gosgd")
   drill = churn_gossip if gossip else churn_restarted
+  stamp = provenance.stamp()  # the code that trains: commits during the drill change none
   rows = {}
   for kills in (False, True)[args.no_uninterrupted:]:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="churn_"))
@@ -738,7 +740,7 @@ def main_churn(argv: list[str]) -> None:
         f"{summary['final_accuracy']:.4f} ({summary['uninterrupted_accuracy']}) | "
         f"{summary['weight_sums']} |")
   with open(args.out, "w") as f:
-    json.dump({**provenance.stamp(), "args": vars(args), "summary": summary, "runs": rows}, f,
+    json.dump({**stamp, "args": vars(args), "summary": summary, "runs": rows}, f,
               indent=1)
 
 # --- vanish ---------------------------------------------------------------------------------------

@@ -456,3 +456,24 @@ def test_a_cluster_run_row_says_what_the_run_trained_and_sent(tmp_path):
   row = bench.run("2x4", "unshaped", "ddp", [], 0, args, str(tmp_path))
   assert row["failed"] == ('status 2: error: cluster_drill.sh: line 140: "ip link add" failed '
                            'with status 2')
+
+
+def test_the_churn_section_gives_each_drills_latencies_samples_kept_and_accuracy(tmp_path):
+  report = _script("report")
+  drill = {"measured": "2026-12-08, x86_64", "code": "abc1234",
+           "args": {"config": "configs/digits.py", "algorithm": "layup", "processes": 3,
+                    "devices_per_process": 2, "num_steps": 10000, "mtbf_s": 4.5,
+                    "set": ["eval_every=60"]},
+           "summary": {"kills": 52, "kill_to_declared_s": {"p50": 5.0, "p95": 5.6, "n": 52},
+                       "restart_to_contributing_s": {"p50": 9.1, "p95": 12.0, "n": 51},
+                       "samples_per_s_kept": 0.97, "final_accuracy": 0.99164,
+                       "uninterrupted_accuracy": 0.99443,
+                       "weight_sums": [1 - 3e-16, 1 + 4e-16], "final_devices_in_average": 6}}
+  (tmp_path / "churn_layup_mtbf4.5.json").write_text(json.dumps(drill))
+  lines = report.churn_tables(tmp_path)
+  row = next(line for line in lines if line.startswith("| layup_mtbf4.5 "))
+  cells = [cell.strip() for cell in row.strip("|").split("|")]
+  assert cells[2] == "configs/digits.py, 10000 steps, 3 processes x 2 devices, eval_every=60"
+  assert cells[4:] == ["4.5", "52", "5.0 / 5.6", "9.1 / 12.0", "0.97", "0.9916 (0.9944)",
+                       "4e-16", "6 of 6"]
+  assert report.churn_tables(tmp_path / "none") == []  # no drill: no section
