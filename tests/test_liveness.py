@@ -81,6 +81,24 @@ def test_an_accused_process_is_declared_lost_by_the_leader_and_told_why(elastic,
   assert not store.key_value_dir_get("layup_jax/accused/")
 
 
+def test_when_the_leader_and_the_next_in_line_fall_silent_together_the_next_live_one_declares(
+    elastic, capsys):
+  """The leader declares a lost process, the next in line the leader. Killed within one timeout
+  of each other (a churn drill's two kills at step 53), neither was declared by anyone, and the
+  one survivor waited for good. The lowest process not silent decides: where only the leader
+  is silent that is still the next in line, not the survivor after it."""
+  store, members = elastic
+  last = _watchdog_of(store, 2)
+  last._elastic = True
+  last._silent(0, {0})  # process 1 answers: it declares the leader, process 2 does not
+  assert not members.is_lost(0)
+  for k in (0, 1):
+    last._silent(k, {0, 1})
+  assert members.is_lost(0) and members.is_lost(1) and members.leader == 2
+  said = capsys.readouterr().err
+  assert "process 0 lost at step 0" in said and "process 1 lost at step 0" in said
+
+
 @pytest.mark.parametrize("leader_accused", [False, True])
 def test_of_two_processes_that_accuse_each_other_one_is_declared(elastic, leader_accused):
   """A link between two processes failed: each accuses the other; exactly one is declared lost

@@ -152,7 +152,7 @@ class Watchdog:
             self._die(f"the run declared this process lost at step {members.lost[self._me]} "
                       f"({self._why_lost()})", "The others train on without it")
           self._judge_accusations()
-        stalled = []
+        stalled, silent = [], []
         for k in range(self._count):
           if members.is_lost(k):  # and if it rejoins, its heartbeat is timed afresh
             seen[k] = (None, now)
@@ -173,7 +173,9 @@ class Watchdog:
           # A process not seen yet may still be starting (a loaded host): 3x the time.
           limit = self._timeout_s * (1 if seen[k][0] is not None else 3)
           if now - seen[k][1] > limit:
-            self._silent(k)
+            silent.append(k)
+        for k in silent:
+          self._silent(k, set(silent))
         self._stalled(stalled, self_stalled or idle)
       except Exception as error:  # noqa: BLE001 - the coordination service itself is gone
         if self._stop.is_set():
@@ -215,20 +217,30 @@ class Watchdog:
     """What the run said when it declared this process lost."""
     return self._value(f"layup_jax/lost_why/{self._me}") or "no reason given"
 
-  def _silent(self, k: int) -> None:
-    """Process k has not answered for `timeout_s`."""
+  def _silent(self, k: int, silent: set[int]) -> None:
+    """Process k has not answered for `timeout_s` (nor have the processes `silent`)."""
     if not self._elastic or (k == 0 and not self._external):
       self._die(f"process {k} of the run stopped answering for {self._timeout_s:g} s "
                 f"(it died, or lost the coordinator)")
-    self._declare(k, f"silent for {self._timeout_s:g} s")
+    self._declare(k, f"silent for {self._timeout_s:g} s", silent)
 
-  def _declare(self, k: int, why: str) -> None:
+  def _declare(self, k: int, why: str, silent: set[int] = frozenset()) -> None:
     """Process k is lost, in an elastic run: the leader declares it (the process next in line,
-    when k leads), and says why. Process 0 cannot be lost where it hosts the service."""
+    when k leads), and says why. Process 0 cannot be lost where it hosts the service.
+
+    The one that decides is the lowest live process this one does not find `silent`: the
+    leader, or when the leader is silent the next in line, or the one after where that one is
+    silent too. Only the leader and the next in line deciding, a run whose leader and next in
+    line died within one timeout of each other stood still for good: nobody declared either
+    (found in a churn drill). A live process's beat moves at every read, so a process that was
+    paused itself finds none of the live ones silent."""
     if k == 0 and not self._external:
       self._die(f"process 0, which hosts the run's coordination service, failed ({why})")
     members = membership.members
-    decides = members.next_leader() if k == members.leader else members.leader
+    if k != members.leader and members.leader not in silent:
+      decides = members.leader
+    else:
+      decides = min((p for p in members.live() if p != k and p not in silent), default=None)
     if self._me != decides or members.is_lost(k):
       return  # the leader decides (and says so); the leader, the process next in line
     step = members.step
