@@ -160,11 +160,12 @@ class Membership:
           found.append((accused, accuser, why))
     return sorted(found)
 
-  def next_leader(self) -> int | None:
-    """The process that leads should the leader be lost: the lowest other live process."""
+  def next_leader(self, skip=()) -> int | None:
+    """The process that leads should the leader be lost: the lowest other live process not in
+    `skip` (processes found silent, not declared yet)."""
     with self._lock:
       return min((k for k in range(jax.process_count())
-                  if k not in self.lost and k != self.leader), default=None)
+                  if k not in self.lost and k != self.leader and k not in skip), default=None)
 
   def await_loss(self, process: int) -> bool:
     """Whether `process` is declared lost within `grace_s` (a pull from it just failed)."""

@@ -239,8 +239,8 @@ class Watchdog:
     members = membership.members
     if k != members.leader and members.leader not in silent:
       decides = members.leader
-    else:
-      decides = min((p for p in members.live() if p != k and p not in silent), default=None)
+    else:  # the leader is k, or silent itself
+      decides = members.next_leader(skip={k, *silent})
     if self._me != decides or members.is_lost(k):
       return  # the leader decides (and says so); the leader, the process next in line
     step = members.step
